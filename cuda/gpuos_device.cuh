@@ -1,0 +1,380 @@
+/* gpuos_device.cuh: device helpers every operator is built from.
+ *
+ * Loads and stores of any GPUOS dtype (computing in fp32), strided index arithmetic over a
+ * GpuosTensorRef, rows, warp/block reductions and thread groups. NVRTC ships no cuda_fp16.h or
+ * cuda_bf16.h, so the half conversions are inline PTX (bf16 stores need sm_80+, our oldest arch).
+ *
+ * Contract for every operator built on these: blockDim.x is a multiple of 32 and at most 1024;
+ * every ref has fewer than 2^32 elements (index arithmetic divides in 32 bits, see
+ * gpuos_offset_dims); refs are taken by reference into task memory (a by-value copy would put a
+ * runtime-indexed array in local memory).
+ *
+ * Registers: an operator is an ABI function called through the jump table, and the linker gives
+ * the worker the largest register count of any function it may call (DESIGN.md, runtime protocol
+ * 1). Hence no calls inside operators (64-bit division, IEEE division and sqrtf are calls), rolled
+ * loops that batch their loads explicitly, branch-free loads, and pointer walks instead of
+ * per-index offsets; see gpuos_div, GPUOS_ROLLED, GPUOS_ILP and gpuos_load_ptr.
+ * Measured (H100, scripts of the helper that wrote this): uncapped, ptxas spreads an operator over
+ * 100-200 registers; with NVRTC --maxrregcount=64 every operator fits with at most a few hundred
+ * bytes of stack (mostly saved callee-saved registers).
+ * Task memory is read with plain loads, never __ldg/__restrict__: a persistent worker reuses ring
+ * slots during one launch, and the non-coherent read-only cache could serve a stale descriptor. */
+#pragma once
+
+#include "gpuos_abi.h"
+
+/* Keep the loop that follows rolled: unrolled by ptxas, loops hoist the loads of several
+ * iterations into dozens of extra registers, which every worker thread then pays for. Loops that
+ * need loads in flight together say so explicitly, GPUOS_ILP at a time (gpuos_each). */
+#define GPUOS_ROLLED _Pragma("unroll 1")
+
+/* Loads each thread keeps in flight in a streaming loop. The worker runs few warps per SM, so
+ * latency is hidden by loads in flight per thread rather than by more warps. */
+#define GPUOS_ILP 4
+
+#define GPUOS_WARP 32
+#define GPUOS_ALL_LANES 0xffffffffu
+#define GPUOS_ALL_DIMS 0xffffffffu
+
+/* -inf without math.h (NVRTC has no INFINITY macro guarantee). */
+__device__ __forceinline__ float gpuos_neg_inf() { return __int_as_float(0xff800000); }
+
+/* exp(a - b), and 0 when a is -inf: online-softmax rescaling must not turn -inf - -inf into NaN. */
+__device__ __forceinline__ float gpuos_exp_diff(float a, float b) {
+  return a == gpuos_neg_inf() ? 0.0f : expf(a - b);
+}
+
+/* a / b for the divisors operators use (counts, softmax sums >= 1): __fdividef, within 2 ulp.
+ * IEEE `/`, sqrtf and __frcp_rn compile to a call to a slow-path routine, and a call inside an
+ * operator parks its live values in high registers, which raises the whole worker's count. */
+__device__ __forceinline__ float gpuos_div(float a, float b) { return __fdividef(a, b); }
+
+/* ---- dtype conversions ---------------------------------------------------------------------- */
+
+__device__ __forceinline__ float gpuos_f16_to_f32(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ unsigned short gpuos_f32_to_f16(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+/* bf16 is the top half of an fp32, so widening is a shift. */
+__device__ __forceinline__ float gpuos_bf16_to_f32(unsigned short b) {
+  return __uint_as_float(static_cast<unsigned int>(b) << 16);
+}
+
+__device__ __forceinline__ unsigned short gpuos_f32_to_bf16(float f) {
+  unsigned short b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+  return b;
+}
+
+/* ---- loads and stores ----------------------------------------------------------------------- */
+
+/* Bytes per element of a GPUOS_DTYPE_* (an unknown code reads as f32, as in the loads). */
+__device__ __forceinline__ int gpuos_dtype_size(int dtype) {
+  return dtype == GPUOS_DTYPE_F16 || dtype == GPUOS_DTYPE_BF16 ? 2 : 4;
+}
+
+/* Loads that bypass L1 (ld.global.cg). The persistent worker runs for a whole lease, and an SM's
+ * L1 is not coherent and not invalidated within one launch: a plain load could return what the
+ * buffer held when this SM last read it, before torch (or the ring copy) rewrote it. */
+__device__ __forceinline__ unsigned int gpuos_ld_u32(const void* p) {
+  unsigned int v;
+  asm("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ unsigned short gpuos_ld_u16(const void* p) {
+  unsigned short v;
+  asm("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+/* The element of GPUOS_DTYPE_* `dtype` at byte address `p`, as fp32. Branch-free (a predicated
+ * load of each width, then selects) so that loads of several elements stay in one basic block
+ * and can be in flight together; a branch per dtype serialised them. */
+__device__ __forceinline__ float gpuos_load_ptr(const char* p, int dtype) {
+  const bool half = dtype == GPUOS_DTYPE_F16 || dtype == GPUOS_DTYPE_BF16;
+  const unsigned int bits = half ? gpuos_ld_u16(p) : gpuos_ld_u32(p);
+  const float f16 = gpuos_f16_to_f32(static_cast<unsigned short>(bits));
+  return dtype == GPUOS_DTYPE_F16 ? f16
+                                  : __uint_as_float(dtype == GPUOS_DTYPE_BF16 ? bits << 16 : bits);
+}
+
+/* Store fp32 `v` at byte address `p` as `dtype`, rounding to nearest even; branch-free too. */
+__device__ __forceinline__ void gpuos_store_ptr(char* p, int dtype, float v) {
+  const unsigned short h = dtype == GPUOS_DTYPE_F16 ? gpuos_f32_to_f16(v) : gpuos_f32_to_bf16(v);
+  if (dtype == GPUOS_DTYPE_F16 || dtype == GPUOS_DTYPE_BF16) {
+    *reinterpret_cast<unsigned short*>(p) = h;
+  } else {
+    *reinterpret_cast<float*>(p) = v;
+  }
+}
+
+/* Byte address of the element at element offset `off` of `ref`. */
+__device__ __forceinline__ char* gpuos_ptr(const GpuosTensorRef& ref, int64_t off) {
+  return reinterpret_cast<char*>(ref.data) + off * gpuos_dtype_size(ref.dtype);
+}
+
+/* Bytes between neighbours along dim d of `ref`. */
+__device__ __forceinline__ int64_t gpuos_step(const GpuosTensorRef& ref, int d) {
+  return ref.strides[d] * gpuos_dtype_size(ref.dtype);
+}
+
+/* Element at element offset `off` of `ref` (from gpuos_offset, gpuos_row_offset, ...). */
+__device__ __forceinline__ float gpuos_load(const GpuosTensorRef& ref, int64_t off) {
+  return gpuos_load_ptr(gpuos_ptr(ref, off), ref.dtype);
+}
+
+__device__ __forceinline__ void gpuos_store(const GpuosTensorRef& ref, int64_t off, float v) {
+  gpuos_store_ptr(gpuos_ptr(ref, off), ref.dtype, v);
+}
+
+/* ---- index arithmetic ----------------------------------------------------------------------- */
+
+/* Element offset in `strides` of the element whose row-major index over the dims of `shape`
+ * selected by `dims` (bit d = dim d) is `linear`. Unselected dims take index 0. `shape` and
+ * `strides` may be different refs: reductions walk the output's shape with the input's strides.
+ * Divides in 32 bits because a 64-bit division is a call (see gpuos_div); every linear index and
+ * size fits since every ref has fewer than 2^32 elements. */
+__device__ __forceinline__ int64_t gpuos_offset_dims(const GpuosTensorRef& shape,
+                                                     const GpuosTensorRef& strides, int64_t linear,
+                                                     unsigned int dims) {
+  unsigned int rest = static_cast<unsigned int>(linear);
+  int64_t off = 0;
+#pragma unroll
+  for (int d = GPUOS_MAX_DIMS - 1; d >= 0; --d) {
+    if (d < shape.ndim && ((dims >> d) & 1u)) {
+      const unsigned int size = static_cast<unsigned int>(shape.sizes[d]), quot = rest / size;
+      off += static_cast<int64_t>(rest - quot * size) * strides.strides[d];
+      rest = quot;
+    }
+  }
+  return off;
+}
+
+/* Element offset of the element at row-major index `linear` over `ref`'s own sizes. */
+__device__ __forceinline__ int64_t gpuos_offset(const GpuosTensorRef& ref, int64_t linear) {
+  return gpuos_offset_dims(ref, ref, linear, GPUOS_ALL_DIMS);
+}
+
+/* Number of elements in the dims of `ref` selected by `dims`. */
+__device__ __forceinline__ int64_t gpuos_numel_dims(const GpuosTensorRef& ref, unsigned int dims) {
+  int64_t n = 1;
+#pragma unroll
+  for (int d = 0; d < GPUOS_MAX_DIMS; ++d) {
+    if (d < ref.ndim && ((dims >> d) & 1u)) n *= ref.sizes[d];
+  }
+  return n;
+}
+
+/* True when `ref` is laid out row-major with no gaps and no broadcast, so the element at linear
+ * index i lives at offset i. Dims of size 1 never move the index, so their stride is ignored. */
+__device__ __forceinline__ bool gpuos_is_contiguous(const GpuosTensorRef& ref) {
+  int64_t expect = 1;
+  bool ok = true;
+#pragma unroll
+  for (int d = GPUOS_MAX_DIMS - 1; d >= 0; --d) {
+    if (d < ref.ndim && ref.sizes[d] != 1) {
+      ok = ok && ref.strides[d] == expect;
+      expect *= ref.sizes[d];
+    }
+  }
+  return ok;
+}
+
+/* ---- rows: the last dim ------------------------------------------------------------------- */
+
+/* Length of a row (the last dim; 1 for a 0-dim ref). */
+__device__ __forceinline__ int64_t gpuos_row_len(const GpuosTensorRef& ref) {
+  return ref.ndim > 0 ? ref.sizes[ref.ndim - 1] : 1;
+}
+
+/* One row of a tensor with its address fields in registers, so that a loop over the row does not
+ * re-read the descriptor: element j is at byte address p + j * step. `ref` is the descriptor it
+ * came from; only gpuos_seek reads it, so it costs no register in the loops. */
+struct GpuosRow {
+  char* p;
+  int64_t step;
+  int dtype;
+  const GpuosTensorRef* ref;
+
+  __device__ __forceinline__ float load(int64_t j) const {
+    return gpuos_load_ptr(p + j * step, dtype);
+  }
+  __device__ __forceinline__ void store(int64_t j, float v) const {
+    gpuos_store_ptr(p + j * step, dtype, v);
+  }
+  /* Move by index i along dim d of ref. */
+  __device__ __forceinline__ void advance(int d, int64_t i) { p += i * gpuos_step(*ref, d); }
+};
+
+/* Row 0 of `ref`: also how a 1-D ref (a weight over the last dim) is read. Reading the fields of
+ * an unused ref is harmless: nothing is loaded through it. */
+__device__ __forceinline__ GpuosRow gpuos_vector(const GpuosTensorRef& ref) {
+  GpuosRow row;
+  row.p = reinterpret_cast<char*>(ref.data);
+  row.step = ref.ndim > 0 ? gpuos_step(ref, ref.ndim - 1) : 0;
+  row.dtype = ref.dtype;
+  row.ref = &ref;
+  return row;
+}
+
+/* Move each of `rows` (anything with `advance(d, i)`, starting at row 0) to row `r`, numbered
+ * row-major over the first `lead` dims of `shape`; all the rows' refs share those dims' sizes.
+ * r is decomposed once for all rows, in a rolled loop: per-ref unrolled decompositions let the
+ * scheduler interleave every dim of every ref, which cost rotary ~100 registers. */
+template <class... Rows>
+__device__ __forceinline__ void gpuos_seek(const GpuosTensorRef& shape, int lead, int64_t r,
+                                           Rows&... rows) {
+  unsigned int rest = static_cast<unsigned int>(r);
+  GPUOS_ROLLED
+  for (int d = min(lead, GPUOS_MAX_DIMS) - 1; d >= 0; --d) {
+    const unsigned int size = static_cast<unsigned int>(shape.sizes[d]), quot = rest / size;
+    const int64_t i = rest - quot * size;
+    (rows.advance(d, i), ...);
+    rest = quot;
+  }
+}
+
+/* Number of leading dims of `ref` that number its rows (all but the last). */
+__device__ __forceinline__ int gpuos_row_dims(const GpuosTensorRef& ref) {
+  return ref.ndim > 0 ? ref.ndim - 1 : 0;
+}
+
+/* Row `r` of `ref` (row-major over all dims but the last). Rows of several refs with the same
+ * leading sizes are cheaper through one gpuos_seek. */
+__device__ __forceinline__ GpuosRow gpuos_row(const GpuosTensorRef& ref, int64_t r) {
+  GpuosRow row = gpuos_vector(ref);
+  gpuos_seek(ref, gpuos_row_dims(ref), r, row);
+  return row;
+}
+
+/* Element offset of element j of row r of `ref`, for one-off accesses (a loop over a row is
+ * cheaper through gpuos_row). */
+__device__ __forceinline__ int64_t gpuos_row_offset(const GpuosTensorRef& ref, int64_t r,
+                                                    int64_t j) {
+  const int lead = gpuos_row_dims(ref);
+  return gpuos_offset_dims(ref, ref, r, (1u << lead) - 1u) +
+         (ref.ndim > 0 ? j * ref.strides[lead] : 0);
+}
+
+/* ---- batched loops ------------------------------------------------------------------------- */
+
+/* For k = first, first + step, ... < n: f(k, element at addr(k)), loading GPUOS_ILP elements before
+ * using any so that their loads are in flight together. Past the end, addr(first) is loaded
+ * instead (always valid when the loop runs) and f is not called, which keeps the batch
+ * branch-free. f may store to the elements it is given (in place is safe: each is loaded first). */
+template <class Addr, class F>
+__device__ __forceinline__ void gpuos_each(int64_t first, int64_t n, int64_t step, int dtype,
+                                           Addr addr, F f) {
+  GPUOS_ROLLED
+  for (int64_t k0 = first; k0 < n; k0 += GPUOS_ILP * step) {
+    float v[GPUOS_ILP];
+#pragma unroll
+    for (int u = 0; u < GPUOS_ILP; ++u) {
+      const int64_t k = k0 + u * step;
+      v[u] = gpuos_load_ptr(addr(k < n ? k : first), dtype);
+    }
+#pragma unroll
+    for (int u = 0; u < GPUOS_ILP; ++u) {
+      if (k0 + u * step < n) f(k0 + u * step, v[u]);
+    }
+  }
+}
+
+/* gpuos_each over the first n elements of a row, shared by the threads of group G. */
+template <class G, class F>
+__device__ __forceinline__ void gpuos_row_each(const GpuosRow& row, int64_t n, F f) {
+  const auto at = [&](int64_t j) { return row.p + j * row.step; };
+  gpuos_each(G::rank(), n, G::size(), row.dtype, at, f);
+}
+
+/* ---- reductions ----------------------------------------------------------------------------- */
+
+/* Sum / max over the 32 lanes of a warp; every lane gets the result. Needs a converged warp. */
+__device__ __forceinline__ float gpuos_warp_sum(float v) {
+#pragma unroll
+  for (int o = GPUOS_WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(GPUOS_ALL_LANES, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float gpuos_warp_max(float v) {
+#pragma unroll
+  for (int o = GPUOS_WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(GPUOS_ALL_LANES, v, o));
+  return v;
+}
+
+/* Block-wide reductions: all threads of the block must call; every thread gets the result.
+ * Requires blockDim.x a multiple of 32 and <= 1024. The leading barrier keeps a fast warp from
+ * overwriting `partial` while a slow one still reads the previous call's values, so the functions
+ * can be called back to back; each warp then reduces the per-warp partials itself, which
+ * broadcasts the result without a third barrier. */
+__device__ __forceinline__ float gpuos_block_sum(float v) {
+  __shared__ float partial[GPUOS_WARP];
+  const unsigned int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
+  v = gpuos_warp_sum(v);
+  __syncthreads();
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  return gpuos_warp_sum(lane < blockDim.x / GPUOS_WARP ? partial[lane] : 0.0f);
+}
+
+__device__ __forceinline__ float gpuos_block_max(float v) {
+  __shared__ float partial[GPUOS_WARP];
+  const unsigned int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
+  v = gpuos_warp_max(v);
+  __syncthreads();
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  return gpuos_warp_max(lane < blockDim.x / GPUOS_WARP ? partial[lane] : gpuos_neg_inf());
+}
+
+/* ---- thread groups -------------------------------------------------------------------------- */
+
+/* A group of threads that processes one row together: a warp (many short rows at once, no
+ * barriers) or the whole block (long rows). Row operators are templates over the group. */
+struct GpuosWarpGroup {
+  __device__ static unsigned int rank() { return threadIdx.x % GPUOS_WARP; }
+  __device__ static unsigned int size() { return GPUOS_WARP; }
+  __device__ static unsigned int index() { return threadIdx.x / GPUOS_WARP; }
+  __device__ static unsigned int count() { return blockDim.x / GPUOS_WARP; }
+  __device__ static float sum(float v) { return gpuos_warp_sum(v); }
+  __device__ static float max(float v) { return gpuos_warp_max(v); }
+};
+
+struct GpuosBlockGroup {
+  __device__ static unsigned int rank() { return threadIdx.x; }
+  __device__ static unsigned int size() { return blockDim.x; }
+  __device__ static unsigned int index() { return 0; }
+  __device__ static unsigned int count() { return 1; }
+  __device__ static float sum(float v) { return gpuos_block_sum(v); }
+  __device__ static float max(float v) { return gpuos_block_max(v); }
+};
+
+/* Rows at most this long go one per warp even when the task has fewer rows than warps. */
+#define GPUOS_WARP_ROW_MAX 256
+
+/* Run `Op::run<G>(t, r)` for every row r of the task, with G a warp when rows are short or plenty
+ * (no barriers, every warp busy), else the whole block. The choice depends on the task only, so
+ * it is uniform over the block, which the block group's barriers require. `len` is the row length
+ * the choice is based on. */
+template <class Op>
+__device__ __forceinline__ void gpuos_for_rows(const GpuosTask* t, int64_t len) {
+  const int64_t rows = t->range_end - t->range_begin;
+  if (rows >= static_cast<int64_t>(GpuosWarpGroup::count()) || len <= GPUOS_WARP_ROW_MAX) {
+    GPUOS_ROLLED
+    for (int64_t r = t->range_begin + GpuosWarpGroup::index(); r < t->range_end;
+         r += GpuosWarpGroup::count())
+      Op::template run<GpuosWarpGroup>(t, r);
+  } else {
+    GPUOS_ROLLED
+    for (int64_t r = t->range_begin; r < t->range_end; ++r) Op::template run<GpuosBlockGroup>(t, r);
+  }
+}

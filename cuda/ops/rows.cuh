@@ -1,0 +1,90 @@
+/* rows.cuh: operators over the last dim of in[0], one row at a time.
+ *
+ * Contract (host encoding): rows are numbered row-major over all dims but the last of in[0] (and
+ * of out, which has in[0]'s shape); a task covers rows [range_begin, range_end).
+ *   softmax, log_softmax: in = (x); numerically stable (max subtracted).
+ *   layernorm: in = (x, weight?, bias?), num_inputs 1..3, weight/bias 1-D over the last dim;
+ *              scalars[0] = eps; biased variance; y = (x - mean) * rsqrt(var + eps) * w + b.
+ *   rmsnorm:   in = (x, weight?), scalars[0] = eps; y = x * rsqrt(mean(x^2) + eps) * w.
+ * Each row op is a struct with `template <class G> static void run(const GpuosTask*, int64_t r)`,
+ * G a thread group from gpuos_device.cuh; rows are re-read from memory on each pass (L1/L2 hits)
+ * rather than held in a register array, GPUOS_ILP elements in flight per thread. */
+#pragma once
+
+#include "gpuos_device.cuh" /* found through -I<repo>/cuda */
+
+template <bool LOG>
+struct GpuosSoftmaxRow {
+  template <class G>
+  __device__ static void run(const GpuosTask* t, int64_t r) {
+    GpuosRow x = gpuos_vector(t->in[0]), y = gpuos_vector(t->out);
+    gpuos_seek(t->in[0], gpuos_row_dims(t->in[0]), r, x, y);
+    const int64_t n = gpuos_row_len(t->in[0]);
+    float m = gpuos_neg_inf();
+    gpuos_row_each<G>(x, n, [&](int64_t, float v) { m = fmaxf(m, v); });
+    m = G::max(m);
+    float s = 0.0f;
+    gpuos_row_each<G>(x, n, [&](int64_t, float v) { s += expf(v - m); });
+    s = G::sum(s);
+    if (LOG) {
+      const float log_s = logf(s);
+      gpuos_row_each<G>(x, n, [&](int64_t j, float v) { y.store(j, (v - m) - log_s); });
+    } else {
+      const float inv = gpuos_div(1.0f, s);
+      gpuos_row_each<G>(x, n, [&](int64_t j, float v) { y.store(j, expf(v - m) * inv); });
+    }
+  }
+};
+
+struct GpuosLayerNormRow {
+  template <class G>
+  __device__ static void run(const GpuosTask* t, int64_t r) {
+    GpuosRow x = gpuos_vector(t->in[0]), y = gpuos_vector(t->out);
+    gpuos_seek(t->in[0], gpuos_row_dims(t->in[0]), r, x, y);
+    const int64_t n = gpuos_row_len(t->in[0]);
+    float s = 0.0f;
+    gpuos_row_each<G>(x, n, [&](int64_t, float v) { s += v; });
+    const float mean = gpuos_div(G::sum(s), static_cast<float>(n));
+    /* Sum squared deviations (two passes): E[x^2] - mean^2 cancels catastrophically. */
+    float q = 0.0f;
+    gpuos_row_each<G>(x, n, [&](int64_t, float v) { q += (v - mean) * (v - mean); });
+    const float rstd = rsqrtf(gpuos_div(G::sum(q), static_cast<float>(n)) + t->scalars[0]);
+    const bool has_w = t->num_inputs > 1, has_b = t->num_inputs > 2;
+    const GpuosRow w = gpuos_vector(t->in[1]), b = gpuos_vector(t->in[2]);
+    gpuos_row_each<G>(x, n, [&](int64_t j, float v) {
+      const float o = (v - mean) * rstd;
+      const float ow = has_w ? o * w.load(j) : o;
+      y.store(j, has_b ? ow + b.load(j) : ow);
+    });
+  }
+};
+
+struct GpuosRmsNormRow {
+  template <class G>
+  __device__ static void run(const GpuosTask* t, int64_t r) {
+    GpuosRow x = gpuos_vector(t->in[0]), y = gpuos_vector(t->out);
+    gpuos_seek(t->in[0], gpuos_row_dims(t->in[0]), r, x, y);
+    const int64_t n = gpuos_row_len(t->in[0]);
+    float q = 0.0f;
+    gpuos_row_each<G>(x, n, [&](int64_t, float v) { q += v * v; });
+    const float rms = rsqrtf(gpuos_div(G::sum(q), static_cast<float>(n)) + t->scalars[0]);
+    const bool has_w = t->num_inputs > 1;
+    const GpuosRow w = gpuos_vector(t->in[1]);
+    gpuos_row_each<G>(
+        x, n, [&](int64_t j, float v) { y.store(j, has_w ? v * rms * w.load(j) : v * rms); });
+  }
+};
+
+template <class Op>
+__device__ __forceinline__ void gpuos_rows(const GpuosTask* t) {
+  gpuos_for_rows<Op>(t, gpuos_row_len(t->in[0]));
+}
+
+#define GPUOS_DEFINE_SOFTMAX(SYMBOL) \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosSoftmaxRow<false> >(t); }
+#define GPUOS_DEFINE_LOG_SOFTMAX(SYMBOL) \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosSoftmaxRow<true> >(t); }
+#define GPUOS_DEFINE_LAYERNORM(SYMBOL) \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosLayerNormRow>(t); }
+#define GPUOS_DEFINE_RMSNORM(SYMBOL) \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosRmsNormRow>(t); }

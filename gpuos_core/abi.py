@@ -1,0 +1,81 @@
+"""Python mirror of cuda/gpuos_abi.h and the encoding of torch tensors into task descriptors.
+
+The numpy structured dtypes below must agree byte for byte with the C structs; tests/unit/test_abi.py
+compiles the header with the host C compiler and compares every size and offset.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import TensorSpecError
+
+ABI_VERSION = 1
+MAX_DIMS = 6
+MAX_INPUTS = 3
+MAX_SCALARS = 4
+
+# GPUOS_DTYPE_* codes, and the torch dtypes the runtime accepts.
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+CODE_DTYPES: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+TENSOR_REF = np.dtype(
+    [
+        ("data", "<u8"),
+        ("numel", "<i8"),
+        ("sizes", "<i8", (MAX_DIMS,)),
+        ("strides", "<i8", (MAX_DIMS,)),
+        ("dtype", "<i4"),
+        ("ndim", "<i4"),
+    ],
+    align=True,
+)
+
+TASK = np.dtype(
+    [
+        ("op_slot", "<i4"),
+        ("num_inputs", "<i4"),
+        ("reduce_mask", "<u4"),
+        ("reserved", "<i4"),
+        ("range_begin", "<i8"),
+        ("range_end", "<i8"),
+        ("scalars", "<f4", (MAX_SCALARS,)),
+        ("out", TENSOR_REF),
+        ("in", TENSOR_REF, (MAX_INPUTS,)),
+    ],
+    align=True,
+)
+
+QUEUE = np.dtype([("tail", "<u8"), ("head", "<u8"), ("stop", "<u8")], align=True)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """GPUOS_DTYPE_* code of a torch dtype; TensorSpecError for dtypes the runtime does not take."""
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
+        raise TensorSpecError(f"dtype {dtype} is not supported: use one of {names}") from None
+
+
+def encode_tensor(ref: np.void, tensor: torch.Tensor) -> None:
+    """Fill one TENSOR_REF record in place from `tensor` (sizes/strides in elements)."""
+    ndim = tensor.dim()
+    if ndim > MAX_DIMS:
+        raise TensorSpecError(f"tensor has {ndim} dims; at most {MAX_DIMS} are supported")
+    ref["data"] = tensor.data_ptr()
+    ref["numel"] = tensor.numel()
+    ref["sizes"] = tuple(tensor.shape) + (1,) * (MAX_DIMS - ndim)
+    ref["strides"] = tuple(tensor.stride()) + (0,) * (MAX_DIMS - ndim)
+    ref["dtype"] = dtype_code(tensor.dtype)
+    ref["ndim"] = ndim
+
+
+def ref_shape(ref: np.void) -> tuple[int, ...]:
+    """Sizes of an encoded tensor."""
+    return tuple(int(s) for s in ref["sizes"][: int(ref["ndim"])])
+
+
+def ref_strides(ref: np.void) -> tuple[int, ...]:
+    """Strides (in elements) of an encoded tensor."""
+    return tuple(int(s) for s in ref["strides"][: int(ref["ndim"])])

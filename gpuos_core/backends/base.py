@@ -1,0 +1,32 @@
+"""The contract every backend fulfils."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..batch import Batch
+from ..optable import Image
+
+
+class Backend(ABC):
+    """Executes batches of encoded tasks against the image it has loaded."""
+
+    name: str                  # "cpu" or "cuda"
+    device: torch.device       # where task tensors must live
+    needs_image_binary = False  # True: load() needs the linked cubin (see Runtime)
+    arch: str | None = None         # the NVRTC target this backend's device needs (None: any)
+    tile_elements: int | None = None  # split tasks into records of about this much work (None: don't)
+
+    @abstractmethod
+    def load(self, image: Image, binary: bytes | None) -> None:
+        """Make `image` the one that executes. The runtime calls this with no batch in flight."""
+
+    @abstractmethod
+    def launch(self, batch: Batch) -> None:
+        """Start executing `batch`; the backend calls `batch.complete()` exactly once, from any
+        thread, after every task finished or failed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish what was launched, then release resources."""

@@ -1,0 +1,234 @@
+"""The operator catalogue: every built-in operator, its interface and its torch reference.
+
+Elementwise operators are expressions over the math library (gpuos_core/mathlib.py), so the CUDA code
+of a catalogue op and of a user's expression come from the same generator. Each has an independent
+torch reference (torch's own function), used by tests and by the canary check before a swap.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from .calls import OpCall, Params, Prepared
+from .errors import TensorSpecError, UnknownOperatorError
+from .expr import Expr, parse
+from .families import Family, family
+
+RefFn = Callable[[Sequence[torch.Tensor], Sequence[float]], torch.Tensor]
+NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ScalarParam:
+    """A named float parameter of an operator; `default` None means the caller gives it, unless
+    the family derives it from the inputs (attention's `scale` from the head dim)."""
+
+    name: str
+    default: float | None = None
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One operator version's definition. Interface fields stay fixed across versions of an op."""
+
+    name: str                              # C identifier, unique
+    family: str                            # families.family(...) name
+    arity: int                             # most tensor inputs
+    min_inputs: int                        # fewest tensor inputs (norms take optional weights)
+    scalars: tuple[ScalarParam, ...] = ()  # in the order of task.scalars
+    expression: Expr | None = None         # map family: the implementation
+    reference: RefFn | None = None         # independent torch reference; None: the implementation
+    source: str = "catalogue"              # where this version came from (expression text)
+
+    @property
+    def kind(self) -> Family:
+        """The family object."""
+        return family(self.family)
+
+    def compute(self, xs: Sequence[torch.Tensor], p: Params) -> torch.Tensor:
+        """This version's own torch implementation over encoded-layout inputs."""
+        return self.kind.compute(xs, p, self.expression)
+
+    def check_reference(self, xs: Sequence[torch.Tensor], p: Params) -> torch.Tensor:
+        """The reference a kernel of this version must match (encoded layout)."""
+        if self.reference is None:
+            return self.compute(xs, p)
+        return self.reference(xs, p.scalars)
+
+
+def check_name(name: str) -> str:
+    """Operator names become C symbols: lower-case identifier, at most 48 characters."""
+    if not NAME_RE.match(name):
+        raise TensorSpecError(
+            f"operator name {name!r} is invalid: use a lower-case letter then letters, digits or "
+            "'_', at most 48 characters")
+    return name
+
+
+def expression_spec(name: str, text: str, arity: int | None = None,
+                    scalars: tuple[ScalarParam, ...] | None = None) -> OpSpec:
+    """A map operator from an expression; scalars default to required s0..s{n-1}."""
+    expr = parse(text, arity)
+    params = scalars if scalars is not None else tuple(
+        ScalarParam(f"s{i}") for i in range(expr.num_scalars))
+    if expr.num_scalars > len(params):
+        raise TensorSpecError(f"expression uses s{expr.num_scalars - 1} but {name} takes "
+                              f"{len(params)} scalar(s)")
+    return OpSpec(check_name(name), "map", expr.arity, expr.arity, params, expr, None, text)
+
+
+def new_version(current: OpSpec, text: str) -> OpSpec:
+    """The next version of `current` implemented by an expression, keeping its interface."""
+    if current.family != "map":
+        raise TensorSpecError(
+            f"{current.name} is a {current.family} operator: only elementwise (map) operators can "
+            "be replaced by an expression")
+    made = expression_spec(current.name, text, current.arity, current.scalars)
+    return replace(made, arity=current.arity, min_inputs=current.min_inputs)
+
+
+def _map(name: str, text: str, ref: RefFn, *scalars: ScalarParam) -> OpSpec:
+    spec = expression_spec(name, text, None, tuple(scalars))
+    return replace(spec, reference=ref, source="catalogue")
+
+
+def _fixed(name: str, fam: str, arity: int, min_inputs: int, *scalars: ScalarParam) -> OpSpec:
+    return OpSpec(name, fam, arity, min_inputs, tuple(scalars))
+
+
+def _builtin() -> dict[str, OpSpec]:
+    P = ScalarParam
+    specs = [
+        _map("add", "A + B", lambda x, s: torch.add(x[0], x[1])),
+        _map("sub", "A - B", lambda x, s: torch.sub(x[0], x[1])),
+        _map("mul", "A * B", lambda x, s: torch.mul(x[0], x[1])),
+        _map("div", "A / B", lambda x, s: torch.div(x[0], x[1])),
+        _map("maximum", "max(A, B)", lambda x, s: torch.maximum(x[0], x[1])),
+        _map("minimum", "min(A, B)", lambda x, s: torch.minimum(x[0], x[1])),
+        _map("pow", "pow(A, B)", lambda x, s: torch.pow(x[0], x[1])),
+        _map("relu", "relu(A)", lambda x, s: torch.relu(x[0])),
+        _map("sigmoid", "sigmoid(A)", lambda x, s: torch.sigmoid(x[0])),
+        _map("tanh", "tanh(A)", lambda x, s: torch.tanh(x[0])),
+        _map("exp", "exp(A)", lambda x, s: torch.exp(x[0])),
+        _map("log", "log(A)", lambda x, s: torch.log(x[0])),
+        _map("sqrt", "sqrt(A)", lambda x, s: torch.sqrt(x[0])),
+        _map("abs", "abs(A)", lambda x, s: torch.abs(x[0])),
+        _map("sin", "sin(A)", lambda x, s: torch.sin(x[0])),
+        _map("cos", "cos(A)", lambda x, s: torch.cos(x[0])),
+        _map("gelu", "gelu(A)", lambda x, s: F.gelu(x[0])),
+        _map("gelu_tanh", "gelu_tanh(A)", lambda x, s: F.gelu(x[0], approximate="tanh")),
+        _map("silu", "silu(A)", lambda x, s: F.silu(x[0])),
+        _map("hardsigmoid", "hardsigmoid(A)", lambda x, s: F.hardsigmoid(x[0])),
+        _map("hardswish", "hardswish(A)", lambda x, s: F.hardswish(x[0])),
+        _map("leaky_relu", "leaky_relu(A, s0)", lambda x, s: F.leaky_relu(x[0], s[0]),
+             P("negative_slope", 0.01)),
+        _map("hardtanh", "hardtanh(A, s0, s1)", lambda x, s: F.hardtanh(x[0], s[0], s[1]),
+             P("min_val", -1.0), P("max_val", 1.0)),
+        _map("elu", "elu(A, s0)", lambda x, s: F.elu(x[0], s[0]), P("alpha", 1.0)),
+        _map("softplus", "softplus(A, s0, s1)", lambda x, s: F.softplus(x[0], s[0], s[1]),
+             P("beta", 1.0), P("threshold", 20.0)),
+        _map("clamp", "clamp(A, s0, s1)", lambda x, s: torch.clamp(x[0], s[0], s[1]),
+             P("min"), P("max")),
+        _map("clamp_min", "clamp_min(A, s0)", lambda x, s: torch.clamp_min(x[0], s[0]), P("min")),
+        _map("clamp_max", "clamp_max(A, s0)", lambda x, s: torch.clamp_max(x[0], s[0]), P("max")),
+        _map("neg", "-A", lambda x, s: torch.neg(x[0])),
+        _map("reciprocal", "1 / A", lambda x, s: torch.reciprocal(x[0])),
+        _fixed("softmax", "softmax", 1, 1),
+        _fixed("log_softmax", "log_softmax", 1, 1),
+        _fixed("layernorm", "layernorm", 3, 1, P("eps", 1e-5)),
+        _fixed("rmsnorm", "rmsnorm", 2, 1, P("eps", 1e-6)),
+        _fixed("sum", "sum", 1, 1),
+        _fixed("mean", "mean", 1, 1),
+        _fixed("rotary", "rotary", 3, 3),
+        _fixed("attention_decode", "attention_decode", 3, 3, P("scale")),
+    ]
+    return {s.name: s for s in specs}
+
+
+CATALOGUE: Mapping[str, OpSpec] = _builtin()
+
+
+def builtin(name: str) -> OpSpec:
+    """The catalogue's spec of `name`; UnknownOperatorError lists what exists."""
+    try:
+        return CATALOGUE[name]
+    except KeyError:
+        raise UnknownOperatorError(f"unknown operator {name!r}; the catalogue has: "
+                                   f"{', '.join(sorted(CATALOGUE))}") from None
+
+
+def prepare(spec: OpSpec, call: OpCall, device: torch.device) -> Prepared:
+    """Validate `call` against `spec` and lay it out for encoding; allocates the output if needed."""
+    _check_inputs(spec, call.inputs, device)
+    lay = spec.kind.layout(call.inputs, call.dims, call.keepdim)
+    scalars = _scalars(spec, call.scalars, call.inputs)
+    out = _output(call, lay.out_shape, device)
+    out_ref = out
+    if lay.ref_shape != lay.out_shape:  # reductions without keepdim: re-insert the reduced dims
+        for d in lay.reduce_dims:
+            out_ref = out_ref.unsqueeze(d)
+    return Prepared(spec.name, out, out_ref, lay.inputs, Params(scalars, lay.reduce_dims), lay.items)
+
+
+def _check_inputs(spec: OpSpec, inputs: Sequence[torch.Tensor], device: torch.device) -> None:
+    if not spec.min_inputs <= len(inputs) <= spec.arity:
+        want = (str(spec.arity) if spec.min_inputs == spec.arity
+                else f"{spec.min_inputs} to {spec.arity}")
+        raise TensorSpecError(f"{spec.name} takes {want} tensor input(s), got {len(inputs)}")
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            raise TensorSpecError(f"{spec.name} input {i} must be a torch.Tensor, got "
+                                  f"{type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TensorSpecError(f"{spec.name} input {i} has dtype {x.dtype}; use float32, "
+                                  "float16 or bfloat16")
+        if x.device != device:
+            raise TensorSpecError(f"{spec.name} input {i} is on {x.device}; this runtime runs on "
+                                  f"{device}: move it there first")
+
+
+def _scalars(spec: OpSpec, given: Mapping[str, float], inputs: Sequence[torch.Tensor]
+             ) -> tuple[float, ...]:
+    names = [p.name for p in spec.scalars]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise TensorSpecError(f"{spec.name} has no parameter(s) {unknown}; it takes {names or 'none'}")
+    values = []
+    for p in spec.scalars:
+        value = given.get(p.name, p.default)
+        if value is None:
+            value = spec.kind.derived_scalar(p.name, inputs)
+        if value is None:
+            raise TensorSpecError(f"{spec.name} needs the parameter {p.name!r}")
+        values.append(float(value))
+    return tuple(values)
+
+
+def _output(call: OpCall, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    dtype = call.out_dtype or _promote(call.inputs)
+    if call.out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    out = call.out
+    if tuple(out.shape) != shape or out.dtype not in FLOAT_DTYPES or out.device != device:
+        raise TensorSpecError(f"{call.op}: out must be a float tensor of shape {shape} on {device}, "
+                              f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if _overlaps_itself(out):
+        raise TensorSpecError(f"{call.op}: out has overlapping elements (an expanded view); "
+                              "pass a tensor whose elements are distinct")
+    return out
+
+
+def _promote(inputs: Sequence[torch.Tensor]) -> torch.dtype:
+    dtype = inputs[0].dtype
+    for x in inputs[1:]:
+        dtype = torch.promote_types(dtype, x.dtype)
+    return dtype
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))

@@ -1,0 +1,34 @@
+"""Configuration objects of the runtime and its backends (plain data, no imports of drivers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .jit import DEFAULT_ARCH
+
+
+@dataclass(frozen=True)
+class CudaConfig:
+    """Knobs of the CUDA backend (defaults measured on an H100)."""
+
+    capacity: int = 1 << 15         # ring records (power of two); bounds records in flight
+    block_threads: int = 256        # threads of a worker block (operators need a multiple of 32)
+    blocks_per_sm: int = 1          # worker blocks per SM; leaves room for torch's kernels
+    idle_us: int = 2000             # a worker block exits after this long without work
+    lease_ms: int = 20              # ... and after this long in any case
+    stack_bytes: int = 1024         # per-thread stack limit, set once before the first launch
+    tile_elements: int = 16384      # records of a large task cover about this many elements each
+    stall_timeout_s: float = 10.0   # pending records and no completion this long: stalled
+    spin_s: float = 0.0005          # a waiting thread polls completions itself this long
+    poll_sleep_s: float = 2e-5      # the poller thread's pause when nothing completed
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Settings of one runtime."""
+
+    backend: str = "auto"          # auto | cuda | cpu
+    arch: str = DEFAULT_ARCH       # NVRTC target for operator objects and images
+    cache_dir: Path | None = None  # JIT cache (default: $GPUOS_CACHE_DIR/jit or ~/.cache/gpuos/jit)
+    drain_timeout_s: float = 30.0  # a swap waits this long for in-flight batches
+    cuda: CudaConfig = field(default_factory=CudaConfig)  # CUDA backend knobs

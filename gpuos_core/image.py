@@ -1,0 +1,67 @@
+"""Worker images: the translation unit of each operator version, the generated jump table, and
+the link of worker + operators + table into one cubin (DESIGN.md, runtime protocol 2 and 3).
+
+Only glue is generated here, from data: the instantiation of a family macro with a version's
+symbol, an expression functor, and the jump table. Every kernel body lives in cuda/.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .jit import DEFAULT_ARCH, CompileSpec, JitCache, compile_object, link_image
+from .optable import OpVersion
+from .paths import CUDA_DIR
+
+WORKER_SOURCE = "gpuos_worker.cu"
+
+
+def op_source(v: OpVersion) -> str:
+    """Translation unit defining `v.symbol` as a device function of the GpuosOpFn signature."""
+    fam = v.spec.kind
+    lines = [f'#include "{fam.header}"']
+    if v.spec.expression is None:
+        return "\n".join(lines + [f"{fam.macro}({v.symbol})", ""])
+    return "\n".join(lines + [
+        '#include "ops/math.cuh"',
+        "namespace {",
+        "struct Fn {",
+        "  __device__ float operator()(const float* a, const float* s) const {",
+        f"    return {v.spec.expression.cuda};",
+        "  }",
+        "};",
+        "}  // namespace",
+        f"{fam.macro}({v.symbol}, Fn, {v.spec.arity})",
+        "",
+    ])
+
+
+def jump_table_source(slots: Sequence[OpVersion]) -> str:
+    """Translation unit defining the jump table: slot i calls slots[i]."""
+    decls = [f'extern "C" __device__ void {v.symbol}(const GpuosTask*);' for v in slots]
+    entries = ", ".join(v.symbol for v in slots) or "0"
+    return "\n".join(['#include "gpuos_abi.h"', *decls,
+                      f'extern "C" __device__ GpuosOpFn gpuos_jump_table[] = {{{entries}}};',
+                      f'extern "C" __device__ int gpuos_jump_table_size = {len(slots)};', ""])
+
+
+def version_unit(v: OpVersion, arch: str = DEFAULT_ARCH) -> CompileSpec:
+    """The compile unit of one operator version."""
+    return CompileSpec(v.symbol, op_source(v), arch)
+
+
+def image_units(slots: Sequence[OpVersion], arch: str = DEFAULT_ARCH) -> list[CompileSpec]:
+    """Every unit an image of `slots` links: the worker, each version, the jump table."""
+    worker = CompileSpec("gpuos_worker", (CUDA_DIR / WORKER_SOURCE).read_text(), arch)
+    table = CompileSpec("gpuos_jump_table", jump_table_source(slots), arch)
+    return [worker, *(version_unit(v, arch) for v in slots), table]
+
+
+def compile_version(v: OpVersion, arch: str = DEFAULT_ARCH, cache: JitCache | None = None) -> bytes:
+    """Relocatable cubin of one operator version (cached); CompileError carries the NVRTC log."""
+    return compile_object(version_unit(v, arch), cache)
+
+
+def build_image(slots: Sequence[OpVersion], arch: str = DEFAULT_ARCH,
+                cache: JitCache | None = None) -> bytes:
+    """Link the worker, every version in `slots` and their jump table into one cubin."""
+    return link_image([(u.name, compile_object(u, cache)) for u in image_units(slots, arch)], arch)

@@ -1,0 +1,84 @@
+"""The Python mirror of cuda/gpuos_abi.h agrees with the C header byte for byte.
+
+The host C compiler prints sizeof/offsetof of every field of the header's structs; the numpy dtypes
+in gpuos_core.abi must give the same numbers (and the same constants)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpuos_core import abi
+from gpuos_core.paths import CUDA_DIR
+
+CC = shutil.which("cc") or shutil.which("gcc")
+
+
+def _c_program(fields: dict[str, list[str]]) -> str:
+    lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "gpuos_abi.h"', "int main(void) {",
+             'printf("{");']
+    for struct, names in fields.items():
+        lines.append(f'printf("\\"{struct}\\": %zu, ", sizeof({struct}));')
+        lines += [f'printf("\\"{struct}.{n}\\": %zu, ", offsetof({struct}, {n}));' for n in names]
+    for const in ("GPUOS_ABI_VERSION", "GPUOS_MAX_DIMS", "GPUOS_MAX_INPUTS", "GPUOS_MAX_SCALARS",
+                  "GPUOS_DTYPE_F32", "GPUOS_DTYPE_F16", "GPUOS_DTYPE_BF16"):
+        lines.append(f'printf("\\"{const}\\": %d, ", (int){const});')
+    lines += ['printf("\\"end\\": 0}");', "return 0; }"]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def c_layout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
+    if CC is None:
+        pytest.skip("no host C compiler")
+    tmp = tmp_path_factory.mktemp("abi")
+    fields = {"GpuosTensorRef": list(abi.TENSOR_REF.names), "GpuosTask": list(abi.TASK.names),
+              "GpuosQueue": list(abi.QUEUE.names)}
+    (tmp / "layout.c").write_text(_c_program(fields))
+    subprocess.run([CC, "-std=c99", "-Wall", "-Werror", f"-I{CUDA_DIR}", "layout.c", "-o", "layout"],
+                   cwd=tmp, check=True)
+    return json.loads(subprocess.run([str(tmp / "layout")], capture_output=True, text=True,
+                                     check=True).stdout)
+
+
+@pytest.mark.parametrize("struct,dtype", [("GpuosTensorRef", abi.TENSOR_REF), ("GpuosTask", abi.TASK),
+                                          ("GpuosQueue", abi.QUEUE)])
+def test_struct_layout_matches_header(c_layout: dict[str, int], struct: str, dtype: np.dtype) -> None:
+    assert dtype.itemsize == c_layout[struct]
+    for name in dtype.names:
+        assert dtype.fields[name][1] == c_layout[f"{struct}.{name}"], name
+
+
+def test_constants_match_header(c_layout: dict[str, int]) -> None:
+    assert c_layout["GPUOS_ABI_VERSION"] == abi.ABI_VERSION
+    assert c_layout["GPUOS_MAX_DIMS"] == abi.MAX_DIMS
+    assert c_layout["GPUOS_MAX_INPUTS"] == abi.MAX_INPUTS
+    assert c_layout["GPUOS_MAX_SCALARS"] == abi.MAX_SCALARS
+    assert c_layout["GPUOS_DTYPE_F32"] == abi.DTYPE_CODES[torch.float32]
+    assert c_layout["GPUOS_DTYPE_F16"] == abi.DTYPE_CODES[torch.float16]
+    assert c_layout["GPUOS_DTYPE_BF16"] == abi.DTYPE_CODES[torch.bfloat16]
+
+
+def test_encode_tensor_records_view_geometry() -> None:
+    base = torch.randn(4, 6, dtype=torch.float16)
+    view = base[1:, ::2].t()  # non-contiguous, offset view
+    record = np.zeros((), dtype=abi.TENSOR_REF)[()]
+    abi.encode_tensor(record, view)
+    assert abi.ref_shape(record) == (3, 3)
+    assert abi.ref_strides(record) == (2, 6)
+    assert int(record["data"]) == view.data_ptr() == base.data_ptr() + 2 * 6
+    assert int(record["dtype"]) == abi.DTYPE_CODES[torch.float16]
+    assert int(record["numel"]) == 9
+
+
+def test_encode_rejects_unsupported_tensors() -> None:
+    record = np.zeros((), dtype=abi.TENSOR_REF)[()]
+    with pytest.raises(abi.TensorSpecError, match="float64 is not supported"):
+        abi.encode_tensor(record, torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(abi.TensorSpecError, match="7 dims"):
+        abi.encode_tensor(record, torch.zeros((1,) * 7))
