@@ -1,39 +1,85 @@
-/* gpuos_worker.cu: the worker kernel that runs a batch of tasks through the jump table.
+/* gpuos_worker.cu: the leased persistent worker (DESIGN.md, runtime protocol 1-4).
  *
- * Minimal form (until the CUDA backend's leased persistent worker): one launch drains one batch.
- * Each block takes tasks by ticket and runs the task's operator with all its threads; the image's
- * generated unit defines the jump table (DESIGN.md, runtime protocol 2-3). Operators need
- * blockDim.x to be a multiple of 32 and at most 1024. */
-#include "gpuos_abi.h"
+ * One block per SM (the host picks the grid) polls the device-memory queue: it claims the next
+ * published record by compare-and-swap on `head` (so a ticket is only ever taken for a record
+ * that exists: nothing is claimed and then abandoned), copies the descriptor into shared memory,
+ * runs the record's operator through the image's jump table with all its threads, and writes
+ * completion to mapped host memory. A block exits when the queue has been empty for `idle_ns`,
+ * when the host sets `stop` and the queue is empty, or after `lease_ns` in total; the host
+ * relaunches the worker when records are pending, so any implicit device sync waits at most one
+ * lease and module loads can run between leases.
+ *
+ * Memory: descriptors and tensors are read with L1-bypassing loads (ld.global.cg): within one
+ * long-lived launch an SM's L1 is never invalidated, and ring slots and torch's reused buffers
+ * change under it. */
+#include "gpuos_device.cuh"
 
 extern "C" __device__ GpuosOpFn gpuos_jump_table[];
 extern "C" __device__ int gpuos_jump_table_size;
 
-/* Status values written to status[i] once task i is done. */
-#define GPUOS_STATUS_DONE 1
-#define GPUOS_STATUS_BAD_SLOT (-1)
+__device__ __forceinline__ unsigned long long gpuos_now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
-/* Run tasks[0, ntasks): blocks take the next task index from *next (zero before the launch) until
- * none is left. status[i] becomes GPUOS_STATUS_DONE after every thread of the block finished task
- * i and its writes were fenced, or GPUOS_STATUS_BAD_SLOT if its op_slot is outside the table. */
-extern "C" __global__ void gpuos_run_batch(const GpuosTask* tasks, int ntasks, int* status,
-                                           unsigned int* next) {
-  __shared__ unsigned int ticket;
+__device__ __forceinline__ unsigned long long gpuos_acquire(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+/* The next ticket this block may run, or -1 when it should exit. Thread 0 only. */
+__device__ long long gpuos_claim(GpuosQueue* q, unsigned long long started,
+                                 unsigned long long idle_since, unsigned long long idle_ns,
+                                 unsigned long long lease_ns) {
   for (;;) {
-    if (threadIdx.x == 0) ticket = atomicAdd(next, 1u);
+    const unsigned long long now = gpuos_now_ns();
+    if (now - started > lease_ns) return -1;
+    const unsigned long long tail = gpuos_acquire(&q->tail);
+    const unsigned long long head = *reinterpret_cast<volatile unsigned long long*>(&q->head);
+    if (head < tail) {
+      if (atomicCAS(&q->head, head, head + 1) == head) return static_cast<long long>(head);
+      continue;
+    }
+    if (*reinterpret_cast<volatile unsigned long long*>(&q->stop) || now - idle_since > idle_ns) return -1;
+    __nanosleep(256);
+  }
+}
+
+/* Drain the queue until idle, stopped or out of lease. ring has mask + 1 slots; done[slot] is set
+ * to ticket + 1 once the record's operator finished (its writes fenced), or to -(ticket + 1) when
+ * its op_slot is not in this image's jump table. */
+extern "C" __global__ void gpuos_worker(GpuosQueue* q, const GpuosTask* ring, unsigned long long mask,
+                                        volatile long long* done, unsigned long long idle_ns,
+                                        unsigned long long lease_ns) {
+  __shared__ GpuosTask task;
+  __shared__ long long ticket;
+  const unsigned long long started = gpuos_now_ns();
+  unsigned long long idle_since = started;
+  for (;;) {
+    if (threadIdx.x == 0) ticket = gpuos_claim(q, started, idle_since, idle_ns, lease_ns);
     __syncthreads();
-    /* Thread 0 rewrites ticket only after the barrier below, when every thread has read it. */
-    const unsigned int i = ticket;
-    if (static_cast<long long>(i) >= ntasks) return;
-    const GpuosTask* t = tasks + i;
-    const int slot = t->op_slot;
+    const long long t = ticket;
+    if (t < 0) return;
+    const unsigned int* src = reinterpret_cast<const unsigned int*>(ring + (t & mask));
+    unsigned int* dst = reinterpret_cast<unsigned int*>(&task);
+    for (unsigned int i = threadIdx.x; i < sizeof(GpuosTask) / 4; i += blockDim.x) dst[i] = gpuos_ld_u32(src + i);
+    __syncthreads();
+    const int slot = task.op_slot;
     const bool valid = slot >= 0 && slot < gpuos_jump_table_size;
-    if (valid) gpuos_jump_table[slot](t);
-    __syncthreads();
+    if (valid) gpuos_jump_table[slot](&task);
+    __syncthreads(); /* every thread finished the operator (and read `task`, `ticket`) */
     if (threadIdx.x == 0) {
-      /* The block's output writes become visible before the status that announces them. */
-      __threadfence();
-      status[i] = valid ? GPUOS_STATUS_DONE : GPUOS_STATUS_BAD_SLOT;
+      __threadfence_system(); /* outputs visible before the completion that announces them */
+      done[t & mask] = valid ? t + 1 : -(t + 1);
+      idle_since = gpuos_now_ns();
     }
   }
+}
+
+/* Stream-ordered 64-bit store, for devices without cuStreamWriteValue64: `*p = v` with release
+ * semantics, so everything before it in the stream is visible first. */
+extern "C" __global__ void gpuos_write_u64(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }

@@ -6,7 +6,9 @@ symbol, an expression functor, and the jump table. Every kernel body lives in cu
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .jit import DEFAULT_ARCH, CompileSpec, JitCache, compile_object, link_image
 from .optable import OpVersion
@@ -61,7 +63,20 @@ def compile_version(v: OpVersion, arch: str = DEFAULT_ARCH, cache: JitCache | No
     return compile_object(version_unit(v, arch), cache)
 
 
+@dataclass(frozen=True)
+class ImageBuild:
+    """A linked image and what it cost."""
+
+    binary: bytes      # the cubin to load
+    compile_ms: float  # compiling (or loading from cache) every unit
+    link_ms: float     # nvJitLink
+
+
 def build_image(slots: Sequence[OpVersion], arch: str = DEFAULT_ARCH,
-                cache: JitCache | None = None) -> bytes:
+                cache: JitCache | None = None) -> ImageBuild:
     """Link the worker, every version in `slots` and their jump table into one cubin."""
-    return link_image([(u.name, compile_object(u, cache)) for u in image_units(slots, arch)], arch)
+    started = time.perf_counter()
+    objects = [(u.name, compile_object(u, cache)) for u in image_units(slots, arch)]
+    compiled = time.perf_counter()
+    binary = link_image(objects, arch)
+    return ImageBuild(binary, 1e3 * (compiled - started), 1e3 * (time.perf_counter() - compiled))

@@ -28,13 +28,24 @@ from .batch import Batch
 from .calls import OpCall, Prepared
 from .catalogue import CATALOGUE, expression_spec, new_version, prepare
 from .errors import BackendUnavailableError, RuntimeClosedError
-from .image import build_image, compile_version
+from .image import ImageBuild, build_image, compile_version
 from .config import RuntimeConfig
 from .jit import JitCache
 from .optable import Image, OpTable, OpVersion
 
 log = logging.getLogger("gpuos.runtime")
 BACKENDS = ("auto", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class ChangeReport:
+    """What the last image change cost (the swap breakdown the benchmarks report)."""
+
+    generation: int     # image generation it loaded
+    compile_ms: float   # compiling new versions (cache hits for the rest), off the request path
+    link_ms: float      # linking the image, off the request path
+    pause_ms: float     # submissions held: drain in-flight batches, load, publish
+    load_ms: float      # the backend's load (worker stop, module load) inside the pause
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,7 @@ class Runtime:
         self._inflight: set[Batch] = set()
         self._closed = False
         self._state = _State(OpTable(), Image(0, ()), {})
+        self.last_change: ChangeReport | None = None
         table = OpTable()
         for spec in CATALOGUE.values():
             table, _ = table.added(spec)
@@ -98,6 +110,11 @@ class Runtime:
     @property
     def backend_name(self) -> str:
         return self._backend.name
+
+    @property
+    def backend(self) -> Backend:
+        """The backend object (for its counters and knobs; submit through the runtime)."""
+        return self._backend
 
     @property
     def device(self) -> torch.device:
@@ -134,9 +151,9 @@ class Runtime:
             slots = [state.aliases[t.op] for t in tasks]
             records["op_slot"] = np.repeat(slots, counts)
             batch = Batch(tasks, records, owners, [state.image.slots[s].version for s in slots])
+            self._backend.launch(batch)  # may raise (ring too small, stalled): nothing in flight
             self._inflight.add(batch)
             batch.add_done_callback(self._inflight.discard)
-            self._backend.launch(batch)
         return batch
 
     def run(self, op: str, *inputs: torch.Tensor, out: torch.Tensor | None = None,
@@ -198,28 +215,30 @@ class Runtime:
     def _activate(self, table: OpTable, compile_new: bool = True) -> None:
         """Build the image for `table` off the request path, then quiesce, load and publish."""
         slots = table.slots()
-        started = time.perf_counter()
-        binary = self._build(slots, compile_new)
-        built = time.perf_counter()
+        build = self._build(slots, compile_new)
+        paused = time.perf_counter()
         with self._submit_lock:
             self._drain()
             image = Image(self._state.image.generation + 1, slots)
-            self._backend.load(image, binary)
+            loading = time.perf_counter()
+            self._backend.load(image, build.binary or None)
+            loaded = time.perf_counter()
             self._state = _State(table, image, image.aliases(table))
-        log.info("image %d: %d slots, built in %.1f ms, paused submissions %.2f ms",
-                 image.generation, len(slots), 1e3 * (built - started),
-                 1e3 * (time.perf_counter() - built))
+        self.last_change = ChangeReport(image.generation, build.compile_ms, build.link_ms,
+                                        1e3 * (time.perf_counter() - paused),
+                                        1e3 * (loaded - loading))
+        log.info("%s", self.last_change)
 
-    def _build(self, slots: tuple[OpVersion, ...], compile_new: bool) -> bytes | None:
+    def _build(self, slots: tuple[OpVersion, ...], compile_new: bool) -> ImageBuild:
         """The linked image where the backend runs one; elsewhere compile the versions the loaded
         image lacks, so an operator that would not build on a GPU replica is refused here too."""
         if self._backend.needs_image_binary:
             return build_image(slots, self._arch, self._cache)
-        if compile_new:
-            for v in slots:
-                if self._state.image.slot_of(v) is None:
-                    compile_version(v, self._arch, self._cache)
-        return None
+        started = time.perf_counter()
+        for v in slots if compile_new else ():
+            if self._state.image.slot_of(v) is None:
+                compile_version(v, self._arch, self._cache)
+        return ImageBuild(b"", 1e3 * (time.perf_counter() - started), 0.0)
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.config.drain_timeout_s

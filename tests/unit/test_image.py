@@ -21,14 +21,14 @@ def cache() -> JitCache:
 def assert_linked_image(image: bytes, symbols: list[str]) -> None:
     assert image[:4] == b"\x7fELF"
     assert int.from_bytes(image[16:18], "little") == ELF_EXECUTABLE
-    for symbol in ["gpuos_run_batch", "gpuos_jump_table", *symbols]:
+    for symbol in ["gpuos_worker", "gpuos_write_u64", "gpuos_jump_table", *symbols]:
         assert symbol.encode() in image, f"{symbol} missing from the image"
 
 
 def test_the_whole_catalogue_links_into_one_image(cache: JitCache) -> None:
     slots = catalogue_slots()
     assert {v.name for v in slots} == set(CATALOGUE)
-    assert_linked_image(build_image(slots, "sm_90", cache), [v.symbol for v in slots])
+    assert_linked_image(build_image(slots, "sm_90", cache).binary, [v.symbol for v in slots])
 
 
 def test_an_image_holds_current_and_previous_of_swapped_operators(cache: JitCache) -> None:
@@ -40,10 +40,10 @@ def test_an_image_holds_current_and_previous_of_swapped_operators(cache: JitCach
     assert [v.symbol for v in slots] == ["gpuos_op_fma_v1", "gpuos_op_fma_v2",
                                          "gpuos_op_gelu_v1", "gpuos_op_gelu_v2"]
     assert jump_table_source(slots).count("gpuos_op_") == 2 * len(slots)  # declared and listed
-    assert_linked_image(build_image(slots, "sm_90", cache), [v.symbol for v in slots])
+    assert_linked_image(build_image(slots, "sm_90", cache).binary, [v.symbol for v in slots])
 
 
 @pytest.mark.parametrize("arch", [a for a in SUPPORTED_ARCHS if a != "sm_90"])
 def test_other_architectures_link(cache: JitCache, arch: str) -> None:
     slots = [v for v in catalogue_slots() if v.name in {"mul", "softmax", "attention_decode"}]
-    assert_linked_image(build_image(slots, arch, cache), [v.symbol for v in slots])
+    assert_linked_image(build_image(slots, arch, cache).binary, [v.symbol for v in slots])

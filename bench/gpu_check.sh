@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on a CUDA machine: GPU tests, then the benchmarks; JSON and logs go to $OUT (or
+# bench/results/ when $OUT is unset). Runs with the machine's python3 and whatever it has; every
+# step has a timeout because a wedged worker can hang a process (DESIGN.md, protocol 5).
+#   bash bench/gpu_check.sh [quick]     quick: smoke + GPU tests only
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-bench/results}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+export GPUOS_CACHE_DIR="${GPUOS_CACHE_DIR:-/tmp/gpuos-cache}"
+status=0
+step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, remember failures
+    local name=$1 limit=$2; shift 2
+    echo "== $name"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 40
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc"
+    ((rc == 0)) || status=1
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+step build 300 python3 -m gpuos_core.build
+step smoke 120 python3 bench/gpu_smoke.py
+step gpu-tests 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider -o faulthandler_timeout=100 tests/unit tests/gpu
+if [[ "${1:-}" != quick ]]; then
+    step micro 420 python3 bench/micro.py --out "$OUT"
+fi
+exit $status

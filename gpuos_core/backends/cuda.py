@@ -1,0 +1,274 @@
+"""CUDA backend: a leased persistent worker draining a device-memory ring (DESIGN.md, protocol).
+
+Submission: a batch's records are staged in pinned host memory at their ring positions, copied to
+the device ring with one async copy (two when it wraps), and the new tail is written after them in
+the same stream (cuStreamWriteValue64, or a one-thread kernel where stream memory operations are
+unsupported). Worker blocks claim records by compare-and-swap and write completions to mapped host
+memory; a poller thread (and any thread waiting on a batch) reaps them. The worker is leased: it
+exits when idle or when its lease ends, and is relaunched when records are pending, by submit or by
+the poller's watchdog. A record slot is reused only after its previous record completed.
+
+What callers must not do while a runtime with this backend lives (each can deadlock or stall it):
+device-wide synchronisation from another thread is safe only because the worker's lease bounds it;
+never unload modules, free memory the worker may read (keep task tensors alive until completion: the
+Batch does) or change context limits (cuCtxSetLimit) yourself.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from cuda.bindings import driver as cu
+
+from ..abi import QUEUE, TASK
+from ..batch import Batch
+from ..errors import GpuosError, StalledWorkerError
+from ..optable import Image
+from ..config import CudaConfig
+from .base import Backend
+from .cudadrv import NOT_READY, PinnedBuffer, check, kernel_params
+
+log = logging.getLogger("gpuos.cuda")
+_NON_BLOCKING = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+
+
+@dataclass
+class _Pending:
+    """A launched batch and where its completions appear."""
+
+    batch: Batch
+    first: int            # ticket of its first record
+    slots: np.ndarray     # ring slot of each record
+    expect: np.ndarray    # ticket + 1 of each record: the value completion writes
+
+
+class CudaBackend(Backend):
+    """Runs batches on one CUDA device through the leased worker of the loaded image."""
+
+    name = "cuda"
+    needs_image_binary = True
+
+    def __init__(self, config: CudaConfig | None = None, device_index: int = 0) -> None:
+        self.config = config or CudaConfig()
+        assert self.config.capacity & (self.config.capacity - 1) == 0, "capacity: a power of two"
+        self.tile_elements = self.config.tile_elements
+        self.device = torch.device("cuda", device_index)
+        torch.empty(1, device=self.device)  # torch creates (and owns) the primary context first
+        self._open_context(device_index)
+        self._allocate()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._tail = 0
+        self._modules: list[object] = []
+        self._worker_fn = self._write_fn = None
+        self._last_progress = time.monotonic()
+        self.broken: str | None = None  # why the backend refuses work, once stalled
+        self.launches = 0  # worker launches so far (each lease is one)
+        self._closed = False
+        self._poller = threading.Thread(target=self._poll_loop, name="gpuos-cuda-poller",
+                                        daemon=True)
+        self._poller.start()
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _open_context(self, index: int) -> None:
+        check(cu.cuInit(0), "cuInit")
+        self._dev = check(cu.cuDeviceGet(index), "cuDeviceGet")
+        self._ctx = check(cu.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
+        self._use_context()
+        # Before our first launch, never again: changing it later blocks on running kernels.
+        check(cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, self.config.stack_bytes),
+              "cuCtxSetLimit(stack)")
+        self.arch = "sm_%d%d" % (self._attribute("COMPUTE_CAPABILITY_MAJOR"),
+                                 self._attribute("COMPUTE_CAPABILITY_MINOR"))
+        self.blocks = self._attribute("MULTIPROCESSOR_COUNT") * self.config.blocks_per_sm
+        self._worker_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(worker)")
+        self._copy_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(copy)")
+        self._worker_done = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                                  "cuEventCreate")
+
+    def _attribute(self, name: str) -> int:
+        attribute = getattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
+        return int(check(cu.cuDeviceGetAttribute(attribute, self._dev), name))
+
+    def _use_context(self) -> None:
+        check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
+    def _allocate(self) -> None:
+        ring_bytes = self.config.capacity * TASK.itemsize
+        self._queue = int(check(cu.cuMemAlloc(QUEUE.itemsize), "cuMemAlloc(queue)"))
+        self._ring = int(check(cu.cuMemAlloc(ring_bytes), "cuMemAlloc(ring)"))
+        self._staging = PinnedBuffer(ring_bytes, mapped=False)
+        self._stage = self._staging.view(TASK)
+        self._done_buf = PinnedBuffer(self.config.capacity * 8, mapped=True)
+        self._done = self._done_buf.view(np.int64)
+        self._done[:] = 0
+        check(cu.cuMemsetD8Async(self._queue, 0, QUEUE.itemsize, self._copy_stream), "memset queue")
+        check(cu.cuStreamSynchronize(self._copy_stream), "cuStreamSynchronize(copy)")
+        self._stream_writes = self._try_stream_write()
+
+    def _try_stream_write(self) -> bool:
+        """Whether cuStreamWriteValue64 works here (else the doorbell kernel writes the tail)."""
+        (status,) = cu.cuStreamWriteValue64(self._copy_stream, self._queue, 0, 0)
+        if status != cu.CUresult.CUDA_SUCCESS:
+            log.info("cuStreamWriteValue64 unavailable (%s): using the doorbell kernel", status)
+            return False
+        check(cu.cuStreamSynchronize(self._copy_stream), "cuStreamSynchronize(copy)")
+        return True
+
+    # -- Backend -------------------------------------------------------------------------------
+    def load(self, image: Image, binary: bytes | None) -> None:
+        """Quiesced by the runtime: stop the worker, load the new image, keep the previous one."""
+        assert binary is not None, "the CUDA backend loads linked images"
+        with self._lock:
+            assert not self._pending, "load() with batches in flight"
+            self._stop_worker()
+            module = check(cu.cuModuleLoadData(binary), f"cuModuleLoadData(image {image.generation})")
+            self._worker_fn = check(cu.cuModuleGetFunction(module, b"gpuos_worker"), "gpuos_worker")
+            self._write_fn = check(cu.cuModuleGetFunction(module, b"gpuos_write_u64"), "write_u64")
+            self._modules.append(module)
+            if len(self._modules) > 2:  # nothing references the one before the previous image
+                check(cu.cuModuleUnload(self._modules.pop(0)), "cuModuleUnload")
+            self._write_u64(self._queue + QUEUE.fields["stop"][1], 0)
+            check(cu.cuStreamSynchronize(self._copy_stream), "cuStreamSynchronize(copy)")
+
+    def launch(self, batch: Batch) -> None:
+        n = len(batch.records)
+        if n > self.config.capacity:
+            raise GpuosError(f"a batch of {n} records exceeds the ring ({self.config.capacity}); "
+                             "submit it in parts")
+        with self._lock:
+            if self.broken:
+                raise StalledWorkerError(self.broken)
+            self._wait_for_space(n)
+            first = self._tail
+            tickets = np.arange(first, first + n, dtype=np.int64)
+            slots = tickets & (self.config.capacity - 1)
+            self._stage[slots] = batch.records
+            self._copy_to_ring(int(slots[0]), n)
+            self._tail += n
+            self._write_u64(self._queue + QUEUE.fields["tail"][1], self._tail)
+            if not self._pending:
+                self._last_progress = time.monotonic()
+            self._pending.append(_Pending(batch, first, slots, tickets + 1))
+            self._ensure_worker()
+            self._wake.notify_all()
+        batch.set_poller(self.poll, self.config.spin_s)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._wake.notify_all()
+        self._poller.join()
+        self._use_context()
+        with self._lock:
+            self._stop_worker()
+        for module in self._modules:
+            check(cu.cuModuleUnload(module), "cuModuleUnload")
+        check(cu.cuMemFree(self._ring), "cuMemFree(ring)")
+        check(cu.cuMemFree(self._queue), "cuMemFree(queue)")
+        self._staging.free()
+        self._done_buf.free()
+        check(cu.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
+
+    # -- submission ----------------------------------------------------------------------------
+    def _copy_to_ring(self, start: int, n: int) -> None:
+        """Copy staged records [start, start + n) (mod capacity) to the device ring."""
+        size, cap = TASK.itemsize, self.config.capacity
+        first = min(n, cap - start)
+        for slot, count in ((start, first), (0, n - first)):
+            if count:
+                check(cu.cuMemcpyHtoDAsync(self._ring + slot * size,
+                                           self._staging.host + slot * size, count * size,
+                                           self._copy_stream), "cuMemcpyHtoDAsync(ring)")
+
+    def _write_u64(self, address: int, value: int) -> None:
+        """Stream-ordered store into device memory, after everything queued on the copy stream."""
+        if self._stream_writes:
+            check(cu.cuStreamWriteValue64(self._copy_stream, address, value, 0),
+                  "cuStreamWriteValue64")
+            return
+        params, _args = kernel_params(address, value)
+        check(cu.cuLaunchKernel(self._write_fn, 1, 1, 1, 1, 1, 1, 0, self._copy_stream,
+                                params, 0), "doorbell launch")
+
+    def _wait_for_space(self, n: int) -> None:
+        """Backpressure: wait (lock released) until n ring slots hold only completed records."""
+        while self._tail + n - (self._pending[0].first if self._pending else self._tail) > \
+                self.config.capacity:
+            if self.broken:
+                raise StalledWorkerError(self.broken)
+            self._wake.wait(0.01)
+
+    def _ensure_worker(self) -> None:
+        """Launch the worker unless one is running (its launch's event not yet reached)."""
+        status = cu.cuEventQuery(self._worker_done)[0]
+        if status == NOT_READY:
+            return
+        c = self.config
+        params, _args = kernel_params(self._queue, self._ring, c.capacity - 1, self._done_buf.device,
+                                     c.idle_us * 1000, c.lease_ms * 1_000_000)
+        check(cu.cuLaunchKernel(self._worker_fn, self.blocks, 1, 1, c.block_threads, 1, 1, 0,
+                                self._worker_stream, params, 0), "worker launch")
+        check(cu.cuEventRecord(self._worker_done, self._worker_stream), "cuEventRecord")
+        self.launches += 1
+
+    def _stop_worker(self) -> None:
+        """Ask the worker to exit once the queue is empty and wait for it (lock held)."""
+        if self._worker_fn is None:
+            return
+        self._write_u64(self._queue + QUEUE.fields["stop"][1], 1)
+        check(cu.cuStreamSynchronize(self._worker_stream), "cuStreamSynchronize(worker)")
+
+    # -- completion ----------------------------------------------------------------------------
+    def poll(self) -> bool:
+        """Complete every launched batch whose records all finished; True if any did."""
+        finished = []
+        with self._lock:
+            for pending in list(self._pending):
+                values = self._done[pending.slots]
+                if np.array_equal(np.abs(values), pending.expect):
+                    self._pending.remove(pending)
+                    finished.append((pending.batch, values))
+            if finished:
+                self._last_progress = time.monotonic()
+                self._wake.notify_all()
+        for batch, values in finished:
+            bad = np.flatnonzero(values < 0)
+            batch.complete({int(r): "operator slot not in the loaded image" for r in bad})
+        return bool(finished)
+
+    def _poll_loop(self) -> None:
+        self._use_context()
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._wake.wait(0.1)
+                if self._closed:
+                    return
+            if not self.poll():
+                self._watchdog()
+                time.sleep(self.config.poll_sleep_s)
+
+    def _watchdog(self) -> None:
+        """Relaunch an exited worker while records are pending; fail everything when stalled."""
+        with self._lock:
+            if not self._pending or self.broken:
+                return
+            self._ensure_worker()
+            waited = time.monotonic() - self._last_progress
+            if waited < self.config.stall_timeout_s:
+                return
+            self.broken = (f"worker stalled: {len(self._pending)} batch(es) pending, no completion "
+                           f"for {waited:.1f} s; restart the replica")
+            stalled, self._pending = list(self._pending), collections.deque()
+        log.error(self.broken)
+        for pending in stalled:
+            pending.batch.complete({r: self.broken for r in range(len(pending.slots))})

@@ -1,0 +1,93 @@
+"""The CUDA backend's own guarantees: the leased worker co-runs with torch, expires and comes back,
+the ring wraps and pushes back, large tasks are tiled, and a stalled worker raises."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from gpuos_core import CudaConfig, GpuosError, OpCall, Runtime, RuntimeConfig
+from gpuos_core.errors import StalledWorkerError, TaskFailedError
+
+pytestmark = pytest.mark.gpu
+
+
+def cuda_runtime(**knobs: object) -> Runtime:
+    return Runtime(config=RuntimeConfig(backend="cuda", cuda=CudaConfig(**knobs)))
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    with cuda_runtime() as runtime:
+        yield runtime
+
+
+def test_torch_work_and_device_syncs_interleave_with_runtime_traffic(rt: Runtime) -> None:
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def torch_work() -> None:
+        a = torch.randn(2048, 2048, device="cuda")
+        while not stop.is_set():
+            b = a @ a
+            del b
+            torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # allocation churn
+            torch.cuda.synchronize()  # device-wide: must wait at most one lease
+
+    worker = threading.Thread(target=torch_work)
+    worker.start()
+    try:
+        x = torch.randn(4096, device="cuda")
+        for _ in range(200):
+            batch = rt.submit([rt.prepare(OpCall("mul", (x, x))) for _ in range(8)]).wait(30)
+            if not all(torch.equal(out, x * x) for out in batch.results()):
+                errors.append("wrong result")
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+    assert not worker.is_alive(), "torch's thread did not finish: a sync waited on the worker"
+    assert not errors
+
+
+def test_the_worker_lease_expires_and_work_relaunches_it() -> None:
+    with cuda_runtime(idle_us=100, lease_ms=2) as rt:
+        x = torch.randn(1024, device="cuda")
+        for _ in range(5):
+            torch.testing.assert_close(rt.run("relu", x), torch.relu(x))
+            time.sleep(0.01)  # far past idle_us: the worker has exited
+        assert rt.backend.launches >= 5
+
+
+def test_the_ring_wraps_and_pushes_back_without_losing_records() -> None:
+    with cuda_runtime(capacity=64) as rt:
+        x = torch.randn(777, device="cuda")
+        batches = [rt.submit([rt.prepare(OpCall("add", (x, x))) for _ in range(40)])
+                   for _ in range(25)]  # 1000 records through 64 slots
+        for batch in batches:
+            assert all(torch.equal(out, x + x) for out in batch.wait(30).results())
+        with pytest.raises(GpuosError, match="exceeds the ring"):
+            rt.submit([rt.prepare(OpCall("add", (x, x))) for _ in range(65)])
+
+
+def test_large_tasks_are_tiled_across_blocks(rt: Runtime) -> None:
+    x = torch.randn(3_000_001, device="cuda", dtype=torch.float16)
+    task = rt.prepare(OpCall("gelu", (x,)))
+    assert len(task.records) > 100
+    out = rt.submit([task]).wait(30).result(0)
+    torch.testing.assert_close(out, torch.nn.functional.gelu(x.float()).half(), atol=2e-3,
+                               rtol=2e-3)
+    rows = torch.randn(5000, 700, device="cuda")
+    torch.testing.assert_close(rt.run("softmax", rows), torch.softmax(rows, -1))
+
+
+def test_a_stalled_worker_raises_instead_of_hanging() -> None:
+    with cuda_runtime(stall_timeout_s=0.02) as rt:
+        q = torch.randn(1, 256, device="cuda")
+        k = torch.randn(1, 1_000_000, 256, device="cuda")  # one row: one block for ~100 ms
+        batch = rt.submit([rt.prepare(OpCall("attention_decode", (q, k, k)))])
+        with pytest.raises(TaskFailedError, match="stalled"):
+            batch.wait(60).result(0)
+        with pytest.raises(StalledWorkerError):
+            rt.run("relu", q)
