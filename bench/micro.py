@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from gpuos_core import OpCall, Runtime
+from gpuos_core.runtime import encode_batch
 
 faulthandler.dump_traceback_later(400, exit=True)
 DEV = torch.device("cuda")
@@ -94,10 +95,12 @@ def elementwise(rt: Runtime, sizes: list[int], n: int, reps: int) -> list[dict]:
         started = time.perf_counter()
         tasks = [rt.prepare(OpCall("mul", (ra[i], rb[i]), out=ro[i])) for i in range(n)]
         prepare_ms = 1e3 * (time.perf_counter() - started)
+        work = encode_batch(tasks)  # what a coalescer holds when it flushes
         out.fill_(float("nan"))
-        runtime = times_ms(lambda: rt.submit(tasks).wait(60), reps)
+        runtime = times_ms(lambda: rt.submit(work).wait(60), reps)
         correct = bool(torch.equal(out, a * b))
         row = {"size": size, "n": n, "runtime_ms": med(runtime), "runtime_p99_ms": p99(runtime),
+               "runtime_from_prepared_ms": med(times_ms(lambda: rt.submit(tasks).wait(60), reps)),
                "prepare_ms": prepare_ms, "correct": correct,
                "eager_ms": med(times_ms(eager, reps)),
                "graph_ms": med(times_ms(graph_of(launches), reps)),
@@ -137,12 +140,13 @@ def chain(rt: Runtime, n: int, size: int, reps: int) -> dict:
     steps = [("add", lambda i: (rx[i], ry[i])), ("mul", lambda i: (stages[0][i], ry[i])),
              ("relu", lambda i: (stages[1][i],)), ("sigmoid", lambda i: (stages[2][i],)),
              ("div", lambda i: (stages[3][i], ry[i]))]
-    batches = [[rt.prepare(OpCall(op, args(i), out=stages[k][i])) for i in range(n)]
+    batches = [encode_batch([rt.prepare(OpCall(op, args(i), out=stages[k][i])) for i in range(n)])
                for k, (op, args) in enumerate(steps)]
     if "chain5" not in rt.table.names():
         rt.register("chain5", CHAIN)
     fused_out = torch.empty_like(x)
-    fused = [rt.prepare(OpCall("chain5", (rx[i], ry[i]), out=fused_out[i])) for i in range(n)]
+    fused = encode_batch([rt.prepare(OpCall("chain5", (rx[i], ry[i]), out=fused_out[i]))
+                          for i in range(n)])
 
     def unfused() -> None:
         for batch in batches:  # each stage reads the previous one's outputs
@@ -257,6 +261,7 @@ def swap(rt: Runtime, rounds: int) -> dict:
     stop.set()
     thread.join()
     result = {"rounds": rounds, "compile_ms": med([r.compile_ms for r in reports]),
+              "canary_ms": med([r.canary_ms for r in reports]),
               "link_ms": med([r.link_ms for r in reports]),
               "pause_ms": med([r.pause_ms for r in reports]),
               "pause_max_ms": max(r.pause_ms for r in reports),

@@ -29,22 +29,45 @@ __device__ __forceinline__ unsigned long long gpuos_acquire(const unsigned long 
   return v;
 }
 
-/* The next ticket this block may run, or -1 when it should exit. Thread 0 only. */
-__device__ long long gpuos_claim(GpuosQueue* q, unsigned long long started,
-                                 unsigned long long idle_since, unsigned long long idle_ns,
-                                 unsigned long long lease_ns) {
+#define GPUOS_MAX_CLAIM 8 /* records one block claims at once when many are waiting */
+
+/* Claims the next published records for this block: sets *first and returns how many (at least
+ * one), or returns 0 when the block should exit. Thread 0 only. Taking several at once when the
+ * queue is long keeps 132 blocks from serialising on one compare-and-swap per record. */
+__device__ int gpuos_claim(GpuosQueue* q, unsigned long long started, unsigned long long idle_since,
+                           unsigned long long idle_ns, unsigned long long lease_ns,
+                           long long* first) {
   for (;;) {
     const unsigned long long now = gpuos_now_ns();
-    if (now - started > lease_ns) return -1;
+    if (now - started > lease_ns) return 0;
     const unsigned long long tail = gpuos_acquire(&q->tail);
     const unsigned long long head = *reinterpret_cast<volatile unsigned long long*>(&q->head);
     if (head < tail) {
-      if (atomicCAS(&q->head, head, head + 1) == head) return static_cast<long long>(head);
+      const unsigned long long share = (tail - head) / (2ull * gridDim.x);
+      const int take = static_cast<int>(share < 1 ? 1 : (share > GPUOS_MAX_CLAIM ? GPUOS_MAX_CLAIM : share));
+      if (atomicCAS(&q->head, head, head + take) == head) {
+        *first = static_cast<long long>(head);
+        return take;
+      }
       continue;
     }
-    if (*reinterpret_cast<volatile unsigned long long*>(&q->stop) || now - idle_since > idle_ns) return -1;
+    if (*reinterpret_cast<volatile unsigned long long*>(&q->stop) || now - idle_since > idle_ns) return 0;
     __nanosleep(256);
   }
+}
+
+/* Runs one record with all threads of the block: copy its descriptor into shared memory (the
+ * operator reads it many times), call its operator. Returns whether its op_slot was valid. */
+__device__ bool gpuos_run(const GpuosTask* record, GpuosTask* task) {
+  const unsigned int* src = reinterpret_cast<const unsigned int*>(record);
+  unsigned int* dst = reinterpret_cast<unsigned int*>(task);
+  for (unsigned int i = threadIdx.x; i < sizeof(GpuosTask) / 4; i += blockDim.x) dst[i] = gpuos_ld_u32(src + i);
+  __syncthreads();
+  const int slot = task->op_slot;
+  const bool valid = slot >= 0 && slot < gpuos_jump_table_size;
+  if (valid) gpuos_jump_table[slot](task);
+  __syncthreads(); /* every thread is done with `task` before the next copy overwrites it */
+  return valid;
 }
 
 /* Drain the queue until idle, stopped or out of lease. ring has mask + 1 slots; done[slot] is set
@@ -54,30 +77,29 @@ extern "C" __global__ void gpuos_worker(GpuosQueue* q, const GpuosTask* ring, un
                                         volatile long long* done, unsigned long long idle_ns,
                                         unsigned long long lease_ns) {
   __shared__ GpuosTask task;
-  __shared__ long long ticket;
+  __shared__ long long first;
+  __shared__ int count;
   const unsigned long long started = gpuos_now_ns();
   unsigned long long idle_since = started;
   for (;;) {
-    if (threadIdx.x == 0) ticket = gpuos_claim(q, started, idle_since, idle_ns, lease_ns);
+    if (threadIdx.x == 0) count = gpuos_claim(q, started, idle_since, idle_ns, lease_ns, &first);
     __syncthreads();
-    const long long t = ticket;
-    if (t < 0) return;
-    const unsigned int* src = reinterpret_cast<const unsigned int*>(ring + (t & mask));
-    unsigned int* dst = reinterpret_cast<unsigned int*>(&task);
-    for (unsigned int i = threadIdx.x; i < sizeof(GpuosTask) / 4; i += blockDim.x) dst[i] = gpuos_ld_u32(src + i);
-    __syncthreads();
-    const int slot = task.op_slot;
-    const bool valid = slot >= 0 && slot < gpuos_jump_table_size;
-    if (valid) gpuos_jump_table[slot](&task);
-    __syncthreads(); /* every thread finished the operator (and read `task`, `ticket`) */
+    const int n = count;
+    const long long t0 = first;
+    if (n == 0) return;
+    unsigned int invalid = 0; /* bit k: record t0 + k had a bad slot (thread 0's copy is used) */
+    for (int k = 0; k < n; ++k) invalid |= gpuos_run(ring + ((t0 + k) & mask), &task) ? 0u : 1u << k;
     if (threadIdx.x == 0) {
-      __threadfence_system(); /* outputs visible before the completion that announces them */
-      done[t & mask] = valid ? t + 1 : -(t + 1);
+      __threadfence_system(); /* outputs visible before the completions that announce them */
+      for (int k = 0; k < n; ++k) {
+        const long long t = t0 + k;
+        done[t & mask] = (invalid >> k) & 1u ? -(t + 1) : t + 1;
+      }
       idle_since = gpuos_now_ns();
     }
+    __syncthreads(); /* `count` and `first` are rewritten only after everyone read them */
   }
 }
-
 /* Stream-ordered 64-bit store, for devices without cuStreamWriteValue64: `*p = v` with release
  * semantics, so everything before it in the stream is visible first. */
 extern "C" __global__ void gpuos_write_u64(unsigned long long* p, unsigned long long v) {

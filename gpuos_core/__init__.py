@@ -1,7 +1,8 @@
 """GPUOS: a persistent-kernel runtime for batched micro-operations (usable without Ray)."""
 from .batch import Batch
 from .calls import OpCall, Prepared
-from .errors import (BackendUnavailableError, CompileError, ExpressionError, GpuosError, LinkError,
+from .errors import (BackendUnavailableError, CanaryCrashError, CanaryMismatchError, CompileError,
+                     ExpressionError, GpuosError, LinkError, RawCudaDisabledError,
                      OperatorExistsError, RollbackError, RuntimeClosedError, TaskFailedError,
                      TensorSpecError, UnknownOperatorError, WaitTimeoutError)
 from .config import CudaConfig, RuntimeConfig
@@ -9,7 +10,8 @@ from .runtime import Runtime
 
 __all__ = [
     "Batch", "CudaConfig", "OpCall", "Prepared", "Runtime", "RuntimeConfig", "BackendUnavailableError",
-    "CompileError", "ExpressionError", "GpuosError", "LinkError", "OperatorExistsError",
+    "CanaryCrashError", "CanaryMismatchError", "CompileError", "ExpressionError", "GpuosError",
+    "LinkError", "OperatorExistsError", "RawCudaDisabledError",
     "RollbackError", "RuntimeClosedError", "TaskFailedError", "TensorSpecError",
     "UnknownOperatorError", "WaitTimeoutError",
 ]

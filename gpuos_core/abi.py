@@ -45,6 +45,8 @@ TASK = np.dtype(
     ],
     align=True,
 )
+# The same bytes as one opaque item: copying records this way is a memcpy, not a field walk.
+RAW_TASK = np.dtype((np.void, TASK.itemsize))
 
 QUEUE = np.dtype([("tail", "<u8"), ("head", "<u8"), ("stop", "<u8")], align=True)
 

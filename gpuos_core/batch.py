@@ -23,11 +23,11 @@ class Batch:
     """
 
     def __init__(self, tasks: Sequence[Prepared], records: np.ndarray, owners: np.ndarray,
-                 versions: Sequence[int]) -> None:
+                 versions: np.ndarray | Sequence[int]) -> None:
         self.tasks = tuple(tasks)            # validated tasks, with their outputs
         self.records = records               # ABI records as submitted (TASK dtype), tiles included
         self.owners = owners                 # record index → index of the task it belongs to
-        self.versions = tuple(versions)      # operator version each task resolved to at submit
+        self._versions = versions            # operator version of each task, resolved at submit
         self.status = np.zeros(len(tasks), dtype=np.int32)  # STATUS_* or a negative error code
         self.errors: dict[int, str] = {}     # task index → message, for failed tasks
         self._event = threading.Event()
@@ -41,6 +41,11 @@ class Batch:
         """Let `wait()` call `poll` itself for up to `spin_s` before sleeping: a waiting thread
         then sees completion within microseconds instead of a poller thread's period."""
         self._poll, self._spin_s = poll, spin_s
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The operator version each task ran with (resolved when it was submitted)."""
+        return tuple(int(v) for v in self._versions)
 
     def __len__(self) -> int:
         return len(self.tasks)

@@ -44,6 +44,8 @@ class OpSpec:
     expression: Expr | None = None         # map family: the implementation
     reference: RefFn | None = None         # independent torch reference; None: the implementation
     source: str = "catalogue"              # where this version came from (expression text)
+    cuda_body: str | None = None           # raw CUDA functor body (map only; `expression` is then
+                                           # its reference and what the CPU backend runs)
 
     @property
     def kind(self) -> Family:
@@ -70,25 +72,33 @@ def check_name(name: str) -> str:
     return name
 
 
+MAX_CUDA_BODY = 16384
+
+
 def expression_spec(name: str, text: str, arity: int | None = None,
-                    scalars: tuple[ScalarParam, ...] | None = None) -> OpSpec:
-    """A map operator from an expression; scalars default to required s0..s{n-1}."""
+                    scalars: tuple[ScalarParam, ...] | None = None,
+                    cuda: str | None = None) -> OpSpec:
+    """A map operator from an expression; scalars default to required s0..s{n-1}. `cuda`, when
+    given, is the body of its functor (`float operator()(const float* a, const float* s)`: inputs
+    a[0..arity), scalars s[0..4)) and the expression becomes its reference."""
+    if cuda is not None and not 0 < len(cuda) <= MAX_CUDA_BODY:
+        raise TensorSpecError(f"CUDA source must be 1 to {MAX_CUDA_BODY} characters, got {len(cuda)}")
     expr = parse(text, arity)
     params = scalars if scalars is not None else tuple(
         ScalarParam(f"s{i}") for i in range(expr.num_scalars))
     if expr.num_scalars > len(params):
         raise TensorSpecError(f"expression uses s{expr.num_scalars - 1} but {name} takes "
                               f"{len(params)} scalar(s)")
-    return OpSpec(check_name(name), "map", expr.arity, expr.arity, params, expr, None, text)
+    return OpSpec(check_name(name), "map", expr.arity, expr.arity, params, expr, None, text, cuda)
 
 
-def new_version(current: OpSpec, text: str) -> OpSpec:
+def new_version(current: OpSpec, text: str, cuda: str | None = None) -> OpSpec:
     """The next version of `current` implemented by an expression, keeping its interface."""
     if current.family != "map":
         raise TensorSpecError(
             f"{current.name} is a {current.family} operator: only elementwise (map) operators can "
             "be replaced by an expression")
-    made = expression_spec(current.name, text, current.arity, current.scalars)
+    made = expression_spec(current.name, text, current.arity, current.scalars, cuda)
     return replace(made, arity=current.arity, min_inputs=current.min_inputs)
 
 

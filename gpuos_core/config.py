@@ -19,8 +19,10 @@ class CudaConfig:
     stack_bytes: int = 1024         # per-thread stack limit, set once before the first launch
     tile_elements: int = 16384      # records of a large task cover about this many elements each
     stall_timeout_s: float = 10.0   # pending records and no completion this long: stalled
+    publish_chunk: int = 1024       # records staged, copied and published at a time
     spin_s: float = 0.0005          # a waiting thread polls completions itself this long
-    poll_sleep_s: float = 2e-5      # the poller thread's pause when nothing completed
+    poll_sleep_s: float = 2e-4      # the poller thread's pause when nothing completed (a thread
+                                    # waiting on a batch polls itself; this bounds async waits)
 
 
 @dataclass(frozen=True)
@@ -31,4 +33,7 @@ class RuntimeConfig:
     arch: str = DEFAULT_ARCH       # NVRTC target for operator objects and images
     cache_dir: Path | None = None  # JIT cache (default: $GPUOS_CACHE_DIR/jit or ~/.cache/gpuos/jit)
     drain_timeout_s: float = 30.0  # a swap waits this long for in-flight batches
+    allow_raw_cuda: bool = False   # accept operators written as raw CUDA (trusted admins only)
+    canary: bool = True            # on a GPU, sandbox-check every new version before activation
+    canary_timeout_s: float = 120.0  # the canary child (start-up included) must answer in this
     cuda: CudaConfig = field(default_factory=CudaConfig)  # CUDA backend knobs

@@ -72,3 +72,23 @@ class RuntimeClosedError(GpuosError, RuntimeError):
 class StalledWorkerError(GpuosError, RuntimeError):
     """Tasks were pending and the worker completed none of them within the stall deadline; the
     backend refuses further work (a Serve health check fails, so the replica is restarted)."""
+
+
+class RawCudaDisabledError(GpuosError, PermissionError):
+    """Raw CUDA operator source was given but this runtime's configuration does not allow it."""
+
+
+class CanaryMismatchError(GpuosError, ValueError):
+    """A new operator version ran but disagreed with its reference; `cases` holds the numbers."""
+
+    def __init__(self, message: str, cases: list[dict]) -> None:
+        self.cases = cases
+        super().__init__(message)
+
+
+class CanaryCrashError(GpuosError, RuntimeError):
+    """A new operator version faulted or hung in the sandboxed canary; `log` holds its output."""
+
+    def __init__(self, message: str, log: str) -> None:
+        self.log = log
+        super().__init__(f"{message}\n{log}".rstrip())

@@ -28,7 +28,7 @@ def op_source(v: OpVersion) -> str:
         "namespace {",
         "struct Fn {",
         "  __device__ float operator()(const float* a, const float* s) const {",
-        f"    return {v.spec.expression.cuda};",
+        v.spec.cuda_body or f"    return {v.spec.expression.cuda};",
         "  }",
         "};",
         "}  // namespace",

@@ -5,6 +5,7 @@ links, loads) what it needs, and only then publishes it, so a failure leaves the
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -97,12 +98,13 @@ class Image:
     generation: int
     slots: tuple[OpVersion, ...]
 
+    @functools.cached_property
+    def _index(self) -> dict[int, int]:
+        return {id(v): i for i, v in enumerate(self.slots)}  # versions are compared by identity
+
     def slot_of(self, version: OpVersion) -> int | None:
         """Physical slot of `version`, or None when this image does not hold it."""
-        for i, v in enumerate(self.slots):
-            if v is version:
-                return i
-        return None
+        return self._index.get(id(version))
 
     def aliases(self, table: OpTable) -> dict[str, int]:
         """Logical name → physical slot of its current version (all must be loaded)."""

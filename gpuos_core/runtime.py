@@ -12,7 +12,9 @@ A rollback whose target is still loaded (dual slot) only flips the host-side ali
 """
 from __future__ import annotations
 
+import functools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -21,13 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .abi import TASK, encode_tensor
+from .abi import RAW_TASK, TASK, encode_tensor
 from .backends.base import Backend
 from .backends.cpu import CpuBackend
 from .batch import Batch
 from .calls import OpCall, Prepared
-from .catalogue import CATALOGUE, expression_spec, new_version, prepare
-from .errors import BackendUnavailableError, RuntimeClosedError
+from .canary import run_sandboxed
+from .catalogue import CATALOGUE, OpSpec, expression_spec, new_version, prepare
+from .errors import BackendUnavailableError, RawCudaDisabledError, RuntimeClosedError
 from .image import ImageBuild, build_image, compile_version
 from .config import RuntimeConfig
 from .jit import JitCache
@@ -43,18 +46,41 @@ class ChangeReport:
 
     generation: int     # image generation it loaded
     compile_ms: float   # compiling new versions (cache hits for the rest), off the request path
+    canary_ms: float    # the sandboxed canary of the new version (GPU only), off the request path
     link_ms: float      # linking the image, off the request path
     pause_ms: float     # submissions held: drain in-flight batches, load, publish
-    load_ms: float      # the backend's load (worker stop, module load) inside the pause
+    load_ms: float      # drain plus the backend's load (worker stop, module load), in the pause
 
 
 @dataclass(frozen=True)
 class _State:
-    """What submit reads, published as one object so a submit sees a consistent triple."""
+    """What submit reads, published as one object so a submit sees a consistent view."""
 
     table: OpTable
     image: Image
     aliases: dict[str, int]  # logical name → physical slot of its current version
+
+    @classmethod
+    def of(cls, table: OpTable, image: Image) -> "_State":
+        return cls(table, image, image.aliases(table))
+
+    @functools.cached_property
+    def slot_versions(self) -> np.ndarray:
+        """Version number held by each physical slot."""
+        return np.array([v.version for v in self.image.slots], dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class TaskList:
+    """Tasks encoded for submission: their records back to back, and which operator each uses
+    (resolved to a slot only at submit, so a TaskList may be submitted more than once)."""
+
+    tasks: tuple[Prepared, ...]
+    records: np.ndarray         # TASK records of every task, tiles included
+    owners: np.ndarray          # record → task index
+    op_names: tuple[str, ...]   # distinct operators
+    op_of_task: np.ndarray      # task → index into op_names
+    op_of_record: np.ndarray    # record → index into op_names
 
 
 def cuda_unusable_reason() -> str | None:
@@ -138,19 +164,19 @@ class Runtime:
         task.records = encode_records(task, self._backend.tile_elements)
         return task
 
-    def submit(self, tasks: Sequence[Prepared]) -> Batch:
-        """Enqueue prepared tasks as one batch, resolving each operator to the physical slot of
-        its current version now. Blocks only while a swap holds submissions (milliseconds)."""
-        counts = [len(t.records) for t in tasks]
-        records = np.concatenate([t.records for t in tasks])
-        owners = np.repeat(np.arange(len(tasks), dtype=np.int32), counts)
+    def submit(self, tasks: "Sequence[Prepared] | TaskList") -> Batch:
+        """Enqueue tasks as one batch, resolving each operator to the physical slot of its current
+        version now. Blocks only while a swap holds submissions (milliseconds). A TaskList (see
+        `encode_batch`) can be submitted again and again without re-encoding."""
+        work = tasks if isinstance(tasks, TaskList) else encode_batch(tasks)
         with self._submit_lock:
             if self._closed:
                 raise RuntimeClosedError("submit() after close()")
             state = self._state
-            slots = [state.aliases[t.op] for t in tasks]
-            records["op_slot"] = np.repeat(slots, counts)
-            batch = Batch(tasks, records, owners, [state.image.slots[s].version for s in slots])
+            slots = np.array([state.aliases[name] for name in work.op_names], dtype=np.int32)
+            work.records["op_slot"] = slots[work.op_of_record]
+            versions = state.slot_versions[slots[work.op_of_task]]
+            batch = Batch(work.tasks, work.records, work.owners, versions)
             self._backend.launch(batch)  # may raise (ring too small, stalled): nothing in flight
             self._inflight.add(batch)
             batch.add_done_callback(self._inflight.discard)
@@ -163,19 +189,25 @@ class Runtime:
         return self.submit([task]).wait(timeout).result(0)
 
     # -- operator changes ----------------------------------------------------------------------
-    def register(self, name: str, expression: str, arity: int | None = None) -> OpVersion:
-        """Add a new elementwise operator from an expression (version 1)."""
+    def register(self, name: str, expression: str, arity: int | None = None,
+                 cuda: str | None = None) -> OpVersion:
+        """Add a new elementwise operator (version 1) from an expression, or from raw CUDA (the
+        body of its functor, where the configuration allows it) with the expression as its
+        reference. Compiled, canary-checked on a GPU, then activated."""
         with self._change_lock:
-            table, made = self._state.table.added(expression_spec(name, expression, arity))
-            self._activate(table)
+            spec = expression_spec(name, expression, arity, cuda=self._allowed(cuda))
+            table, made = self._state.table.added(spec)
+            self._activate(table, candidate=spec)
             return made
 
-    def swap(self, name: str, expression: str) -> OpVersion:
-        """Make a new version of `name` current; the version it replaces stays loaded (previous)."""
+    def swap(self, name: str, expression: str, cuda: str | None = None) -> OpVersion:
+        """Make a new version of `name` current; the version it replaces stays loaded (previous).
+        A version that fails to compile or fails its canary raises and changes nothing."""
         with self._change_lock:
-            spec = new_version(self._state.table.current(name).spec, expression)
+            spec = new_version(self._state.table.current(name).spec, expression,
+                               self._allowed(cuda))
             table, made = self._state.table.swapped(spec)
-            self._activate(table)
+            self._activate(table, candidate=spec)
             return made
 
     def rollback(self, name: str) -> OpVersion:
@@ -183,10 +215,11 @@ class Runtime:
         with self._change_lock:
             state = self._state
             table, made = state.table.rolled_back(name)
-            if state.image.slot_of(made) is None:
+            slot = state.image.slot_of(made)
+            if slot is None:
                 self._activate(table)  # not loaded any more (rolled back twice): new image
             else:  # dual slot: a host-side alias flip, no device traffic
-                self._state = _State(table, state.image, state.image.aliases(table))
+                self._state = _State(table, state.image, {**state.aliases, name: slot})
             log.info("rolled back %s to v%d", name, made.version)
             return made
 
@@ -212,38 +245,65 @@ class Runtime:
         self.close()
 
     # -- internals -----------------------------------------------------------------------------
-    def _activate(self, table: OpTable, compile_new: bool = True) -> None:
-        """Build the image for `table` off the request path, then quiesce, load and publish."""
+    def _activate(self, table: OpTable, compile_new: bool = True,
+                  candidate: OpSpec | None = None) -> None:
+        """Compile what is new, canary-check `candidate`, link the image (all off the request
+        path), then quiesce, load and publish."""
         slots = table.slots()
-        build = self._build(slots, compile_new)
+        started = time.perf_counter()
+        for v in slots if compile_new else ():
+            if self._state.image.slot_of(v) is None:  # CompileError (with NVRTC's log) here
+                compile_version(v, self._arch, self._cache)
+        compiled = time.perf_counter()
+        self._canary(candidate)
+        checked = time.perf_counter()
+        build = (build_image(slots, self._arch, self._cache) if self._backend.needs_image_binary
+                 else ImageBuild(b"", 0.0, 0.0))
         paused = time.perf_counter()
         with self._submit_lock:
             self._drain()
             image = Image(self._state.image.generation + 1, slots)
-            loading = time.perf_counter()
             self._backend.load(image, build.binary or None)
             loaded = time.perf_counter()
-            self._state = _State(table, image, image.aliases(table))
-        self.last_change = ChangeReport(image.generation, build.compile_ms, build.link_ms,
-                                        1e3 * (time.perf_counter() - paused),
-                                        1e3 * (loaded - loading))
+            self._state = _State.of(table, image)
+        self.last_change = ChangeReport(
+            image.generation, 1e3 * (compiled - started) + build.compile_ms,
+            1e3 * (checked - compiled), build.link_ms, 1e3 * (time.perf_counter() - paused),
+            1e3 * (loaded - paused))
         log.info("%s", self.last_change)
 
-    def _build(self, slots: tuple[OpVersion, ...], compile_new: bool) -> ImageBuild:
-        """The linked image where the backend runs one; elsewhere compile the versions the loaded
-        image lacks, so an operator that would not build on a GPU replica is refused here too."""
-        if self._backend.needs_image_binary:
-            return build_image(slots, self._arch, self._cache)
-        started = time.perf_counter()
-        for v in slots if compile_new else ():
-            if self._state.image.slot_of(v) is None:
-                compile_version(v, self._arch, self._cache)
-        return ImageBuild(b"", 1e3 * (time.perf_counter() - started), 0.0)
+    def _canary(self, candidate: OpSpec | None) -> None:
+        """Run `candidate` against its reference in a sandboxed child on the GPU (the CPU backend
+        executes a version's own reference, so there is nothing to check there)."""
+        if candidate is None or not self.config.canary or self._backend.name != "cuda":
+            return
+        run_sandboxed(candidate, secrets.randbits(31), self.config.canary_timeout_s)
+
+    def _allowed(self, cuda: str | None) -> str | None:
+        if cuda is not None and not self.config.allow_raw_cuda:
+            raise RawCudaDisabledError("raw CUDA operators are disabled in this deployment; "
+                                       "send an expression, or enable allow_raw_cuda")
+        return cuda
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.config.drain_timeout_s
         for batch in list(self._inflight):
             batch.wait(max(0.0, deadline - time.monotonic()))
+
+
+def encode_batch(tasks: Sequence[Prepared]) -> TaskList:
+    """Concatenate prepared tasks' records into one TaskList (bytewise: a structured-dtype copy
+    costs tens of microseconds per record)."""
+    if len(tasks) == 1:  # the latency path: no copies
+        only = tasks[0]
+        owners = np.zeros(len(only.records), dtype=np.int32)
+        return TaskList((only,), only.records, owners, (only.op,), owners[:1], owners)
+    names: dict[str, int] = {}
+    op_of_task = np.array([names.setdefault(t.op, len(names)) for t in tasks], dtype=np.int32)
+    counts = [len(t.records) for t in tasks]
+    raw = np.concatenate([t.records.view(RAW_TASK) for t in tasks]).view(TASK)
+    owners = np.repeat(np.arange(len(tasks), dtype=np.int32), counts)
+    return TaskList(tuple(tasks), raw, owners, tuple(names), op_of_task, op_of_task[owners])
 
 
 def encode_records(task: Prepared, tile_elements: int | None) -> np.ndarray:

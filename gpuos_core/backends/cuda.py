@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from cuda.bindings import driver as cu
 
-from ..abi import QUEUE, TASK
+from ..abi import QUEUE, RAW_TASK, TASK
 from ..batch import Batch
 from ..errors import GpuosError, StalledWorkerError
 from ..optable import Image
 from ..config import CudaConfig
 from .base import Backend
-from .cudadrv import NOT_READY, PinnedBuffer, check, kernel_params
+from .cudadrv import NOT_READY, CudaError, PinnedBuffer, check, kernel_params
 
 log = logging.getLogger("gpuos.cuda")
 _NON_BLOCKING = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
@@ -45,6 +45,14 @@ class _Pending:
     first: int            # ticket of its first record
     slots: np.ndarray     # ring slot of each record
     expect: np.ndarray    # ticket + 1 of each record: the value completion writes
+
+    def finished(self, done: np.ndarray) -> np.ndarray | None:
+        """The completion values of its records once all are written, else None. Tests the last
+        record first: the cheap scalar check rejects most unfinished batches."""
+        if abs(int(done[self.slots[-1]])) != self.expect[-1]:
+            return None
+        values = done[self.slots]
+        return values if np.array_equal(np.abs(values), self.expect) else None
 
 
 class CudaBackend(Backend):
@@ -104,7 +112,7 @@ class CudaBackend(Backend):
         self._queue = int(check(cu.cuMemAlloc(QUEUE.itemsize), "cuMemAlloc(queue)"))
         self._ring = int(check(cu.cuMemAlloc(ring_bytes), "cuMemAlloc(ring)"))
         self._staging = PinnedBuffer(ring_bytes, mapped=False)
-        self._stage = self._staging.view(TASK)
+        self._stage_raw = self._staging.view(RAW_TASK)
         self._done_buf = PinnedBuffer(self.config.capacity * 8, mapped=True)
         self._done = self._done_buf.view(np.int64)
         self._done[:] = 0
@@ -148,16 +156,14 @@ class CudaBackend(Backend):
             self._wait_for_space(n)
             first = self._tail
             tickets = np.arange(first, first + n, dtype=np.int64)
-            slots = tickets & (self.config.capacity - 1)
-            self._stage[slots] = batch.records
-            self._copy_to_ring(int(slots[0]), n)
-            self._tail += n
-            self._write_u64(self._queue + QUEUE.fields["tail"][1], self._tail)
-            if not self._pending:
-                self._last_progress = time.monotonic()
-            self._pending.append(_Pending(batch, first, slots, tickets + 1))
+            self._publish(batch.records.view(RAW_TASK))
+            idle = not self._pending
+            self._pending.append(_Pending(batch, first, tickets & (self.config.capacity - 1),
+                                          tickets + 1))
             self._ensure_worker()
-            self._wake.notify_all()
+            if idle:  # the poller sleeps on _wake only while nothing is pending
+                self._last_progress = time.monotonic()
+                self._wake.notify_all()
         batch.set_poller(self.poll, self.config.spin_s)
 
     def close(self) -> None:
@@ -179,15 +185,21 @@ class CudaBackend(Backend):
         check(cu.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
 
     # -- submission ----------------------------------------------------------------------------
-    def _copy_to_ring(self, start: int, n: int) -> None:
-        """Copy staged records [start, start + n) (mod capacity) to the device ring."""
-        size, cap = TASK.itemsize, self.config.capacity
-        first = min(n, cap - start)
-        for slot, count in ((start, first), (0, n - first)):
-            if count:
-                check(cu.cuMemcpyHtoDAsync(self._ring + slot * size,
-                                           self._staging.host + slot * size, count * size,
-                                           self._copy_stream), "cuMemcpyHtoDAsync(ring)")
+    def _publish(self, records: np.ndarray) -> None:
+        """Stage, copy and publish records in chunks, so the worker starts on the first chunk while
+        later ones are still being staged and copied. Lock held; space already reserved."""
+        cap, size = self.config.capacity, TASK.itemsize
+        for begin in range(0, len(records), self.config.publish_chunk):
+            part = records[begin:begin + self.config.publish_chunk]
+            slot = self._tail & (cap - 1)
+            split = min(len(part), cap - slot)
+            for at, piece in ((slot, part[:split]), (0, part[split:])):
+                if len(piece):
+                    self._stage_raw[at:at + len(piece)] = piece
+                    check(cu.cuMemcpyHtoDAsync(self._ring + at * size, self._staging.host + at * size,
+                                               len(piece) * size, self._copy_stream), "copy to ring")
+            self._tail += len(part)
+            self._write_u64(self._queue + QUEUE.fields["tail"][1], self._tail)
 
     def _write_u64(self, address: int, value: int) -> None:
         """Stream-ordered store into device memory, after everything queued on the copy stream."""
@@ -212,6 +224,7 @@ class CudaBackend(Backend):
         status = cu.cuEventQuery(self._worker_done)[0]
         if status == NOT_READY:
             return
+        check((status,), "the previous worker launch")  # a sticky device fault surfaces here
         c = self.config
         params, _args = kernel_params(self._queue, self._ring, c.capacity - 1, self._done_buf.device,
                                      c.idle_us * 1000, c.lease_ms * 1_000_000)
@@ -233,15 +246,15 @@ class CudaBackend(Backend):
         finished = []
         with self._lock:
             for pending in list(self._pending):
-                values = self._done[pending.slots]
-                if np.array_equal(np.abs(values), pending.expect):
+                values = pending.finished(self._done)
+                if values is not None:
                     self._pending.remove(pending)
                     finished.append((pending.batch, values))
             if finished:
                 self._last_progress = time.monotonic()
                 self._wake.notify_all()
         for batch, values in finished:
-            bad = np.flatnonzero(values < 0)
+            bad = np.flatnonzero(values < 0) if values.min() < 0 else ()
             batch.complete({int(r): "operator slot not in the loaded image" for r in bad})
         return bool(finished)
 
@@ -258,17 +271,21 @@ class CudaBackend(Backend):
                 time.sleep(self.config.poll_sleep_s)
 
     def _watchdog(self) -> None:
-        """Relaunch an exited worker while records are pending; fail everything when stalled."""
+        """Relaunch an exited worker while records are pending; fail everything when the worker
+        stalled or the device faulted (a fault is sticky: the context is lost)."""
         with self._lock:
             if not self._pending or self.broken:
                 return
-            self._ensure_worker()
-            waited = time.monotonic() - self._last_progress
-            if waited < self.config.stall_timeout_s:
-                return
-            self.broken = (f"worker stalled: {len(self._pending)} batch(es) pending, no completion "
-                           f"for {waited:.1f} s; restart the replica")
-            stalled, self._pending = list(self._pending), collections.deque()
+            try:
+                self._ensure_worker()
+                waited = time.monotonic() - self._last_progress
+                if waited < self.config.stall_timeout_s:
+                    return
+                self.broken = (f"worker stalled: {len(self._pending)} batch(es) pending, no "
+                               f"completion for {waited:.1f} s; restart the replica")
+            except CudaError as exc:
+                self.broken = f"the device faulted ({exc}); restart the replica"
+            failed, self._pending = list(self._pending), collections.deque()
         log.error(self.broken)
-        for pending in stalled:
+        for pending in failed:
             pending.batch.complete({r: self.broken for r in range(len(pending.slots))})

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from gpuos_core import CudaConfig, GpuosError, OpCall, Runtime, RuntimeConfig
+from gpuos_core import (CanaryCrashError, CanaryMismatchError, CudaConfig, GpuosError, OpCall,
+                        Runtime, RuntimeConfig)
 from gpuos_core.errors import StalledWorkerError, TaskFailedError
 
 pytestmark = pytest.mark.gpu
@@ -91,3 +92,35 @@ def test_a_stalled_worker_raises_instead_of_hanging() -> None:
             batch.wait(60).result(0)
         with pytest.raises(StalledWorkerError):
             rt.run("relu", q)
+
+
+def raw_cuda_runtime(**config: object) -> Runtime:
+    return Runtime(config=RuntimeConfig(backend="cuda", allow_raw_cuda=True, **config))
+
+
+def test_the_canary_rejects_a_faulting_operator_and_serving_goes_on() -> None:
+    with raw_cuda_runtime() as rt:
+        rt.register("safe", "A + 1")
+        with pytest.raises(CanaryCrashError, match="faults"):
+            rt.swap("safe", "A + 1", cuda="return *reinterpret_cast<volatile float*>(8) + a[0];")
+        x = torch.randn(64, device="cuda")
+        torch.testing.assert_close(rt.run("safe", x), x + 1)
+        assert rt.table.current("safe").version == 1
+
+
+def test_the_canary_rejects_a_hanging_operator() -> None:
+    with raw_cuda_runtime(canary_timeout_s=25) as rt:
+        rt.register("spin", "A")
+        with pytest.raises(CanaryCrashError, match="hangs"):
+            rt.swap("spin", "A", cuda="for (;;) __nanosleep(1000); return a[0];")
+        x = torch.randn(8, device="cuda")
+        torch.testing.assert_close(rt.run("spin", x), x)
+
+
+def test_the_canary_rejects_a_mismatch_with_the_numbers() -> None:
+    with raw_cuda_runtime() as rt:
+        rt.register("scale3", "A * 3", cuda="return a[0] * 3.0f;")
+        with pytest.raises(CanaryMismatchError) as info:
+            rt.swap("scale3", "A * 3", cuda="return a[0] * 3.01f;")
+        assert all(case["rel_error"] > 1e-3 for case in info.value.cases if not case["ok"])
+        assert rt.table.current("scale3").version == 1

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpuos_core import (ExpressionError, OpCall, OperatorExistsError, RollbackError,
+from gpuos_core import (CompileError, ExpressionError, RawCudaDisabledError, OpCall, OperatorExistsError, RollbackError,
                         Runtime, RuntimeClosedError, TaskFailedError, TensorSpecError,
                         UnknownOperatorError)
 from gpuos_core.backends.cpu import CpuBackend
@@ -232,3 +232,31 @@ def test_closed_runtime_refuses_work(tmp_path) -> None:
     runtime.close()
     with pytest.raises(RuntimeClosedError):
         runtime.run("relu", torch.randn(2))
+
+
+def raw_cuda_runtime(backend: str) -> Runtime:
+    return Runtime(config=RuntimeConfig(backend=backend, allow_raw_cuda=True))
+
+
+def test_raw_cuda_needs_the_configuration_to_allow_it(rt: Runtime) -> None:
+    with pytest.raises(RawCudaDisabledError, match="allow_raw_cuda"):
+        rt.register("triple", "A * 3", cuda="return a[0] * 3.0f;")
+
+
+def test_raw_cuda_operator_serves_with_its_expression_as_reference(backend: str) -> None:
+    with raw_cuda_runtime(backend) as rt:
+        rt.register("triple", "A * 3", cuda="return a[0] * 3.0f;")
+        x = torch.randn(300, device=rt.device)
+        torch.testing.assert_close(rt.run("triple", x), x * 3)
+
+
+def test_raw_cuda_that_does_not_compile_is_refused_and_the_old_version_serves(backend: str
+                                                                             ) -> None:
+    with raw_cuda_runtime(backend) as rt:
+        rt.register("twice", "A * 2")
+        with pytest.raises(CompileError) as info:
+            rt.swap("twice", "A * 2", cuda="return a[0] * undefined_name;")
+        assert "undefined_name" in info.value.log
+        assert rt.table.current("twice").version == 1
+        x = torch.randn(16, device=rt.device)
+        torch.testing.assert_close(rt.run("twice", x), x * 2)
