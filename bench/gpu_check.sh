@@ -21,7 +21,7 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, remember fa
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 step build 300 python3 -m gpuos_core.build
 step smoke 120 python3 bench/gpu_smoke.py
-step gpu-tests 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider -o faulthandler_timeout=100 tests/unit tests/gpu
+step gpu-tests 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider -o faulthandler_timeout=100 tests/gpu tests/unit/test_catalogue.py tests/unit/test_runtime.py
 if [[ "${1:-}" != quick ]]; then
     step micro 420 python3 bench/micro.py --out "$OUT"
 fi

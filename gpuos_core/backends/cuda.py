@@ -8,6 +8,10 @@ memory; a poller thread (and any thread waiting on a batch) reaps them. The work
 exits when idle or when its lease ends, and is relaunched when records are pending, by submit or by
 the poller's watchdog. A record slot is reused only after its previous record completed.
 
+Ordering with torch: a batch runs after the work queued before its submit on the submitting
+thread's current torch stream (it usually produced the inputs); inputs written on other streams
+must be synchronised by the caller first. Results are ready when the batch completes.
+
 What callers must not do while a runtime with this backend lives (each can deadlock or stall it):
 device-wide synchronisation from another thread is safe only because the worker's lease bounds it;
 never unload modules, free memory the worker may read (keep task tensors alive until completion: the
@@ -99,6 +103,8 @@ class CudaBackend(Backend):
         self._copy_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(copy)")
         self._worker_done = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
                                   "cuEventCreate")
+        self._inputs_ready = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                                   "cuEventCreate")
 
     def _attribute(self, name: str) -> int:
         attribute = getattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
@@ -156,6 +162,7 @@ class CudaBackend(Backend):
             self._wait_for_space(n)
             first = self._tail
             tickets = np.arange(first, first + n, dtype=np.int64)
+            self._after_producer()
             self._publish(batch.records.view(RAW_TASK))
             idle = not self._pending
             self._pending.append(_Pending(batch, first, tickets & (self.config.capacity - 1),
@@ -185,6 +192,14 @@ class CudaBackend(Backend):
         check(cu.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
 
     # -- submission ----------------------------------------------------------------------------
+    def _after_producer(self) -> None:
+        """Order the records after the work queued so far on the caller's current torch stream,
+        which typically produced their inputs (and may still read their outputs): the tail is
+        written on the copy stream, which now waits for that work."""
+        producer = cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        check(cu.cuEventRecord(self._inputs_ready, producer), "cuEventRecord(inputs)")
+        check(cu.cuStreamWaitEvent(self._copy_stream, self._inputs_ready, 0), "cuStreamWaitEvent")
+
     def _publish(self, records: np.ndarray) -> None:
         """Stage, copy and publish records in chunks, so the worker starts on the first chunk while
         later ones are still being staged and copied. Lock held; space already reserved."""

@@ -124,3 +124,10 @@ def test_the_canary_rejects_a_mismatch_with_the_numbers() -> None:
             rt.swap("scale3", "A * 3", cuda="return a[0] * 3.01f;")
         assert all(case["rel_error"] > 1e-3 for case in info.value.cases if not case["ok"])
         assert rt.table.current("scale3").version == 1
+
+
+def test_a_batch_runs_after_torch_work_that_produced_its_inputs(rt: Runtime) -> None:
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        x = (a @ a)[0]  # still being computed on torch's stream when submitted
+        torch.testing.assert_close(rt.run("neg", x), -x)
