@@ -139,6 +139,7 @@ class CudaBackend(Backend):
     def load(self, image: Image, binary: bytes | None) -> None:
         """Quiesced by the runtime: stop the worker, load the new image, keep the previous one."""
         assert binary is not None, "the CUDA backend loads linked images"
+        self._use_context()
         with self._lock:
             assert not self._pending, "load() with batches in flight"
             self._stop_worker()
@@ -156,6 +157,7 @@ class CudaBackend(Backend):
         if n > self.config.capacity:
             raise GpuosError(f"a batch of {n} records exceeds the ring ({self.config.capacity}); "
                              "submit it in parts")
+        self._use_context()  # any thread may submit; the driver needs the context current in it
         with self._lock:
             if self.broken:
                 raise StalledWorkerError(self.broken)

@@ -131,3 +131,13 @@ def test_a_batch_runs_after_torch_work_that_produced_its_inputs(rt: Runtime) -> 
     for _ in range(20):
         x = (a @ a)[0]  # still being computed on torch's stream when submitted
         torch.testing.assert_close(rt.run("neg", x), -x)
+
+
+def test_any_thread_may_submit(rt: Runtime) -> None:
+    x = torch.randn(100, device="cuda")
+    task = rt.prepare(OpCall("exp", (x,)))
+    results: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: results.append(rt.submit([task]).wait(30).result(0)))
+    thread.start()
+    thread.join()
+    torch.testing.assert_close(results[0], torch.exp(x))
