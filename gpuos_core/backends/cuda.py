@@ -199,6 +199,8 @@ class CudaBackend(Backend):
         which typically produced their inputs (and may still read their outputs): the tail is
         written on the copy stream, which now waits for that work."""
         producer = cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        if cu.cuStreamQuery(producer)[0] != NOT_READY:
+            return  # nothing pending there: a device-side wait would only add latency
         check(cu.cuEventRecord(self._inputs_ready, producer), "cuEventRecord(inputs)")
         check(cu.cuStreamWaitEvent(self._copy_stream, self._inputs_ready, 0), "cuStreamWaitEvent")
 
