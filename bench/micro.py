@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpuos_core import OpCall, Runtime
+from gpuos_core import CudaConfig, OpCall, Runtime, RuntimeConfig
 from gpuos_core.runtime import encode_batch
 
 faulthandler.dump_traceback_later(400, exit=True)
@@ -72,7 +72,8 @@ def graph_of(fn: Callable[[], object]) -> Callable[[], None]:
     return replay
 
 
-def elementwise(rt: Runtime, sizes: list[int], n: int, reps: int) -> list[dict]:
+def elementwise(rt: Runtime, sizes: list[int], n: int, reps: int, compile: bool = True
+                ) -> list[dict]:
     """(a) n × mul(size fp32): runtime vs eager vs graph replay vs one batched kernel vs compile."""
     rows = []
     for size in sizes:
@@ -105,7 +106,7 @@ def elementwise(rt: Runtime, sizes: list[int], n: int, reps: int) -> list[dict]:
                "eager_ms": med(times_ms(eager, reps)),
                "graph_ms": med(times_ms(graph_of(launches), reps)),
                "floor_ms": med(times_ms(floor, reps))}
-        row["compile_ms"] = compiled_per_op(ra, rb, n, reps) if size == 1024 else None
+        row["compile_ms"] = compiled_per_op(ra, rb, n, reps) if size == 1024 and compile else None
         rows.append(row)
         print(f"(a) {n} x mul({size}): runtime {row['runtime_ms']:.3f} ms, eager "
               f"{row['eager_ms']:.2f}, graph {row['graph_ms']:.2f}, floor {row['floor_ms']:.3f}, "
@@ -272,6 +273,18 @@ def swap(rt: Runtime, rounds: int) -> dict:
     return result
 
 
+def occupancy(reps: int) -> list[dict]:
+    """(a) again at 1024 with more worker blocks per SM: latency hiding against room for torch."""
+    rows = []
+    for blocks in (2, 4):
+        config = RuntimeConfig(backend="cuda", cuda=CudaConfig(blocks_per_sm=blocks))
+        with Runtime(config=config) as rt:
+            row = elementwise(rt, [1024], 10_000, reps, compile=False)[0]
+        rows.append({"blocks_per_sm": blocks, "runtime_ms": row["runtime_ms"],
+                     "eager_over_runtime": row["eager_ms"] / row["runtime_ms"]})
+    return rows
+
+
 def describe() -> dict:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
@@ -294,6 +307,7 @@ def main() -> None:
         result["attention"] = attention(rt, [1, 8, 32, 64], 32, 128, reps)
         result["roundtrip"] = roundtrip(rt, [1, 8, 64], 300)
         result["swap"] = swap(rt, 5)
+    result["blocks_per_sm"] = occupancy(reps)
     mul = next(r for r in result["elementwise"] if r["size"] == 1024)
     one = result["roundtrip"][0]
     result["summary"] = {
