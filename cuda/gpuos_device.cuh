@@ -81,19 +81,15 @@ __device__ __forceinline__ int gpuos_dtype_size(int dtype) {
   return dtype == GPUOS_DTYPE_F16 || dtype == GPUOS_DTYPE_BF16 ? 2 : 4;
 }
 
-/* Loads that bypass L1 (ld.global.cg). The persistent worker runs for a whole lease, and an SM's
- * L1 is not coherent and not invalidated within one launch: a plain load could return what the
- * buffer held when this SM last read it, before torch (or the ring copy) rewrote it. */
+/* Loads that bypass L1 (__ldcg: ld.global.cg). The persistent worker runs for a whole lease, and an
+ * SM's L1 is not coherent and not invalidated within one launch: a plain load could return what
+ * the buffer held when this SM last read it, before torch (or the ring copy) rewrote it. */
 __device__ __forceinline__ unsigned int gpuos_ld_u32(const void* p) {
-  unsigned int v;
-  asm("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
+  return __ldcg(reinterpret_cast<const unsigned int*>(p));
 }
 
 __device__ __forceinline__ unsigned short gpuos_ld_u16(const void* p) {
-  unsigned short v;
-  asm("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
-  return v;
+  return __ldcg(reinterpret_cast<const unsigned short*>(p));
 }
 
 /* The element of GPUOS_DTYPE_* `dtype` at byte address `p`, as fp32. Branch-free (a predicated
@@ -134,6 +130,45 @@ __device__ __forceinline__ float gpuos_load(const GpuosTensorRef& ref, int64_t o
 
 __device__ __forceinline__ void gpuos_store(const GpuosTensorRef& ref, int64_t off, float v) {
   gpuos_store_ptr(gpuos_ptr(ref, off), ref.dtype, v);
+}
+
+/* ---- vectors of four ------------------------------------------------------------------------ */
+
+/* Whether element `off` of `ref` starts a 4-element group that one vector access can move (its
+ * address is aligned to 4 elements: 16 bytes of fp32, 8 of fp16/bf16). */
+__device__ __forceinline__ bool gpuos_aligned4(const GpuosTensorRef& ref, int64_t off) {
+  const unsigned long long bytes = 4ull * gpuos_dtype_size(ref.dtype);
+  return (reinterpret_cast<unsigned long long>(gpuos_ptr(ref, off)) & (bytes - 1)) == 0;
+}
+
+/* Elements off .. off + 3 of a contiguous `ref` with one vector load (gpuos_aligned4 must hold). */
+__device__ __forceinline__ void gpuos_load4(const GpuosTensorRef& ref, int64_t off, float (&v)[4]) {
+  const char* p = gpuos_ptr(ref, off);
+  if (ref.dtype == GPUOS_DTYPE_F32) {
+    const float4 f = __ldcg(reinterpret_cast<const float4*>(p));
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    return;
+  }
+  const uint2 w = __ldcg(reinterpret_cast<const uint2*>(p));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const unsigned short h = static_cast<unsigned short>((j < 2 ? w.x : w.y) >> (16 * (j & 1)));
+    v[j] = ref.dtype == GPUOS_DTYPE_F16 ? gpuos_f16_to_f32(h) : gpuos_bf16_to_f32(h);
+  }
+}
+
+/* Store v into elements off .. off + 3 of a contiguous `ref` with one vector store. */
+__device__ __forceinline__ void gpuos_store4(const GpuosTensorRef& ref, int64_t off, const float (&v)[4]) {
+  char* p = gpuos_ptr(ref, off);
+  if (ref.dtype == GPUOS_DTYPE_F32) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    return;
+  }
+  unsigned int h[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    h[j] = ref.dtype == GPUOS_DTYPE_F16 ? gpuos_f32_to_f16(v[j]) : gpuos_f32_to_bf16(v[j]);
+  *reinterpret_cast<uint2*>(p) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
 }
 
 /* ---- index arithmetic ----------------------------------------------------------------------- */

@@ -18,14 +18,14 @@ __device__ __forceinline__ int64_t gpuos_map_offset(const GpuosTensorRef& ref, i
   return CONTIGUOUS ? i : gpuos_offset(ref, i);
 }
 
-/* Items of the task in a block-stride loop, GPUOS_ILP per thread at a time: all their inputs are
+/* Items [begin, range_end) of the task in a block-stride loop, GPUOS_ILP per thread at a time: all their inputs are
  * loaded before any output is stored, so the loads are in flight together. Past the end, item i0
  * (always valid) is loaded again and not stored. */
 template <int ARITY, class F, bool CONTIGUOUS>
-__device__ __forceinline__ void gpuos_map_items(const GpuosTask* t) {
+__device__ __forceinline__ void gpuos_map_items(const GpuosTask* t, int64_t begin) {
   const F f;
   GPUOS_ROLLED
-  for (int64_t i0 = t->range_begin + threadIdx.x; i0 < t->range_end; i0 += GPUOS_ILP * blockDim.x) {
+  for (int64_t i0 = begin + threadIdx.x; i0 < t->range_end; i0 += GPUOS_ILP * blockDim.x) {
     float a[GPUOS_ILP][ARITY];
 #pragma unroll
     for (int u = 0; u < GPUOS_ILP; ++u) {
@@ -43,16 +43,46 @@ __device__ __forceinline__ void gpuos_map_items(const GpuosTask* t) {
   }
 }
 
+/* Contiguous refs whose items start 4-element aligned: groups of four items per thread, each
+ * input and the output moved with one vector access. Returns the first item it left (the last
+ * count % 4 items) for the scalar loop. */
+template <int ARITY, class F>
+__device__ __forceinline__ int64_t gpuos_map_vec4(const GpuosTask* t) {
+  const F f;
+  const int64_t end = t->range_begin + ((t->range_end - t->range_begin) & ~int64_t(3));
+  GPUOS_ROLLED
+  for (int64_t i = t->range_begin + 4 * threadIdx.x; i < end; i += 4 * blockDim.x) {
+    float a[ARITY][4], r[4];
+#pragma unroll
+    for (int k = 0; k < ARITY; ++k) gpuos_load4(t->in[k], i, a[k]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float x[ARITY];
+#pragma unroll
+      for (int k = 0; k < ARITY; ++k) x[k] = a[k][j];
+      r[j] = f(x, t->scalars);
+    }
+    gpuos_store4(t->out, i, r);
+  }
+  return end;
+}
+
 template <int ARITY, class F>
 __device__ __forceinline__ void gpuos_map(const GpuosTask* t) {
   static_assert(ARITY >= 1 && ARITY <= GPUOS_MAX_INPUTS, "map arity must be 1..GPUOS_MAX_INPUTS");
   bool contiguous = gpuos_is_contiguous(t->out);
+  bool aligned = gpuos_aligned4(t->out, t->range_begin);
 #pragma unroll
-  for (int k = 0; k < ARITY; ++k) contiguous = contiguous && gpuos_is_contiguous(t->in[k]);
-  if (contiguous) {
-    gpuos_map_items<ARITY, F, true>(t);
+  for (int k = 0; k < ARITY; ++k) {
+    contiguous = contiguous && gpuos_is_contiguous(t->in[k]);
+    aligned = aligned && gpuos_aligned4(t->in[k], t->range_begin);
+  }
+  if (contiguous && aligned) {
+    gpuos_map_items<ARITY, F, true>(t, gpuos_map_vec4<ARITY, F>(t));
+  } else if (contiguous) {
+    gpuos_map_items<ARITY, F, true>(t, t->range_begin);
   } else {
-    gpuos_map_items<ARITY, F, false>(t);
+    gpuos_map_items<ARITY, F, false>(t, t->range_begin);
   }
 }
 
