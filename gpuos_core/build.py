@@ -8,18 +8,14 @@ import sys
 import time
 from pathlib import Path
 
-from .catalogue import CATALOGUE
 from .image import image_units
 from .jit import DEFAULT_ARCH, SUPPORTED_ARCHS, JitCache, compile_object, link_image, stats
-from .optable import OpTable, OpVersion
+from .optable import OpVersion, catalogue_table
 
 
 def catalogue_slots() -> tuple[OpVersion, ...]:
     """Version 1 of every catalogue operator, as a fresh runtime loads them."""
-    table = OpTable()
-    for spec in CATALOGUE.values():
-        table, _ = table.added(spec)
-    return table.slots()
+    return catalogue_table().slots()
 
 
 def build(arch: str, cache: JitCache) -> int:

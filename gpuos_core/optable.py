@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from .catalogue import OpSpec
+from .catalogue import CATALOGUE, OpSpec
 from .errors import OperatorExistsError, RollbackError, UnknownOperatorError
 
 
@@ -89,6 +89,14 @@ class OpTable:
 
     def _stack(self, name: str) -> tuple[OpVersion, ...]:
         return self.active[self._known(name)]
+
+
+def catalogue_table() -> OpTable:
+    """Version 1 of every catalogue operator: what a fresh runtime starts from."""
+    table = OpTable()
+    for spec in CATALOGUE.values():
+        table, _ = table.added(spec)
+    return table
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,12 @@ from .backends.cpu import CpuBackend
 from .batch import Batch
 from .calls import OpCall, Prepared
 from .canary import run_sandboxed
-from .catalogue import CATALOGUE, OpSpec, expression_spec, new_version, prepare
+from .catalogue import OpSpec, expression_spec, new_version, prepare
 from .errors import BackendUnavailableError, RawCudaDisabledError, RuntimeClosedError
 from .image import ImageBuild, build_image, compile_version
 from .config import RuntimeConfig
 from .jit import JitCache
-from .optable import Image, OpTable, OpVersion
+from .optable import Image, OpTable, OpVersion, catalogue_table
 
 log = logging.getLogger("gpuos.runtime")
 BACKENDS = ("auto", "cuda", "cpu")
@@ -127,10 +127,7 @@ class Runtime:
         self._closed = False
         self._state = _State(OpTable(), Image(0, ()), {})
         self.last_change: ChangeReport | None = None
-        table = OpTable()
-        for spec in CATALOGUE.values():
-            table, _ = table.added(spec)
-        self._activate(table, compile_new=False)  # the catalogue is compiled by the test suite
+        self._activate(catalogue_table(), compile_new=False)  # the test suite compiles it
 
     # -- introspection -------------------------------------------------------------------------
     @property
