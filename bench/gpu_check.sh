@@ -25,4 +25,11 @@ step gpu-tests 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider -o faultha
 if [[ "${1:-}" != quick ]]; then
     step micro 420 python3 bench/micro.py --out "$OUT"
 fi
+# The serving load test needs Ray Serve, FastAPI and Locust, which the GPU host lacks: carry the
+# bundle that ../shared/tools/offline_site.sh builds (.devbundle/site.tar.xz) to run it.
+if [[ -f .devbundle/site.tar.xz && "${1:-}" != quick ]]; then
+    mkdir -p /tmp/site && tar -C /tmp/site -xJf .devbundle/site.tar.xz
+    export PYTHONPATH="/tmp/site:$PYTHONPATH" PATH="/tmp/site/bin:$PATH"
+    step loadtest 300 python3 -m loadtest.run micro --users 64 --duration 30 --out "$OUT/loadtest"
+fi
 exit $status

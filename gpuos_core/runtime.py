@@ -140,6 +140,11 @@ class Runtime:
         return self._backend
 
     @property
+    def broken(self) -> str | None:
+        """Why the backend refuses work (a stalled worker, a device fault), or None."""
+        return self._backend.broken
+
+    @property
     def device(self) -> torch.device:
         return self._backend.device
 
@@ -187,24 +192,27 @@ class Runtime:
 
     # -- operator changes ----------------------------------------------------------------------
     def register(self, name: str, expression: str, arity: int | None = None,
-                 cuda: str | None = None) -> OpVersion:
+                 cuda: str | None = None, canary: bool = True) -> OpVersion:
         """Add a new elementwise operator (version 1) from an expression, or from raw CUDA (the
         body of its functor, where the configuration allows it) with the expression as its
-        reference. Compiled, canary-checked on a GPU, then activated."""
+        reference. Compiled, canary-checked on a GPU, then activated. `canary=False` only for a
+        version that already passed its canary elsewhere (a replica replaying a registry)."""
         with self._change_lock:
             spec = expression_spec(name, expression, arity, cuda=self._allowed(cuda))
             table, made = self._state.table.added(spec)
-            self._activate(table, candidate=spec)
+            self._activate(table, candidate=spec if canary else None)
             return made
 
-    def swap(self, name: str, expression: str, cuda: str | None = None) -> OpVersion:
+    def swap(self, name: str, expression: str, cuda: str | None = None,
+             canary: bool = True) -> OpVersion:
         """Make a new version of `name` current; the version it replaces stays loaded (previous).
-        A version that fails to compile or fails its canary raises and changes nothing."""
+        A version that fails to compile or fails its canary raises and changes nothing;
+        `canary` as for `register`."""
         with self._change_lock:
             spec = new_version(self._state.table.current(name).spec, expression,
                                self._allowed(cuda))
             table, made = self._state.table.swapped(spec)
-            self._activate(table, candidate=spec)
+            self._activate(table, candidate=spec if canary else None)
             return made
 
     def rollback(self, name: str) -> OpVersion:

@@ -1,53 +1,128 @@
-"""The Serve application: `build_app`, named by deployments/llm.yaml, and its HTTP ingress."""
+"""The Serve application: `build_app`, named by deployments/*.yaml, and its ingress deployment.
+
+Each replica holds one runtime, one coalescer and its view of the operator registry. Its HTTP API
+(serving/routes.py) is built per replica by `__serve_build_asgi_app__`, so routes close over the
+replica's parts. The methods below the routes are called through a DeploymentHandle: `broadcast`
+reaches every replica (registry pushes, coalescer knobs, statistics, reports).
+"""
 from __future__ import annotations
 
-from typing import Literal
+import asyncio
+import logging
+from typing import Any
 
 import ray
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
 
-from gpuos_core import Runtime
+from gpuos_core import Runtime, RuntimeConfig
 
-Backend = Literal["auto", "cuda", "cpu"]
+from .coalescer import Coalescer
+from .config import AppArgs, Backend, CoalescerConfig
+from .errors import RegistryDivergedError
+from .metrics import ReplicaMetrics
+from .registry import RegistryState, RegistryStore, ReplicaRegistry
+from .routes import build_api
+from .schemas import ReadyResponse, ReplicaReport, ReplicaStats
 
-
-class AppArgs(BaseModel):
-    """The `args:` block of a Serve config. Unknown keys are rejected so a typo cannot pass silently."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    backend: Backend = "auto"  # runtime backend of every replica; auto = cuda when a GPU is visible
-
-
-class HealthResponse(BaseModel):
-    """Body of `GET /healthz`."""
-
-    status: Literal["ok"]
-    backend: str  # the backend the replica serves with
-
-
-api = FastAPI(title="gpuos-serve")
+__all__ = ["AppArgs", "Backend", "GpuosIngress", "build_app", "replica_gpus"]
+log = logging.getLogger("gpuos.serving")
+BROADCAST_TIMEOUT_S = 120.0  # a push compiles on every replica (and canary-checks on CUDA)
 
 
 @serve.deployment
-@serve.ingress(api)
+@serve.ingress()
 class GpuosIngress:
-    """HTTP front door of one replica; owns that replica's GPUOS runtime."""
+    """One replica: HTTP front door, runtime, coalescer and registry view."""
 
-    def __init__(self, backend: Backend) -> None:
-        self._runtime = Runtime(backend)
+    def __init__(self, args: AppArgs) -> None:
+        self.args = args
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self._peers: DeploymentHandle | None = None  # handle to this deployment, made on first use
+        self._deployment = (context.deployment, context.app_name)
+        self.runtime = Runtime(config=RuntimeConfig(backend=args.backend,
+                                                    allow_raw_cuda=args.allow_raw_cuda))
+        self.metrics = ReplicaMetrics()
+        self.coalescer = Coalescer(self.runtime, CoalescerConfig(), self.metrics)
+        self.admin_token = args.resolved_admin_token()
+        self.registry = ReplicaRegistry(self.runtime, RegistryStore(args.resolved_state_dir()))
+        applied = self.registry.catch_up()  # a broken state file fails the replica's start
+        log.info("replica %s: %s; registry %s at seq %d", self.replica_id,
+                 self.runtime.backend_reason, self.registry.store.path, applied.seq)
 
-    @api.get("/healthz")
-    def healthz(self) -> HealthResponse:
-        """Answers 200 once the replica is constructed and able to take requests."""
-        return HealthResponse(status="ok", backend=self._runtime.backend_name)
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self)
+
+    # -- Serve hooks -----------------------------------------------------------------------------
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve calls this with the deployment's `user_config` (the coalescer knobs), at start
+        and whenever the config changes; a bad key or value fails the deploy."""
+        self.coalescer.reconfigure(CoalescerConfig.model_validate(user_config))
+
+    async def check_health(self) -> None:
+        """Fails when the backend stalled or the registry cannot be applied, so Serve replaces
+        the replica; also applies a registry change this replica missed."""
+        await asyncio.to_thread(self.registry.catch_up_unless_busy)  # raises if it cannot apply
+        reason = self.readiness().reason
+        if reason:
+            raise RuntimeError(reason)
+
+    async def __del__(self) -> None:  # Serve awaits it on the replica's loop at shutdown
+        self.coalescer.flush()
+        self.runtime.close()
+
+    # -- called through DeploymentHandle.broadcast ------------------------------------------------
+    async def apply_registry(self, state: RegistryState) -> ReplicaReport:
+        """Apply a pushed registry state (ignored if not newer); the report says if it failed."""
+        try:
+            await asyncio.to_thread(self.registry.apply, state)
+        except RegistryDivergedError as exc:
+            log.error("replica %s cannot apply registry seq %d: %s", self.replica_id, state.seq,
+                      exc)
+        return self.report()
+
+    async def apply_coalescer(self, config: CoalescerConfig) -> ReplicaReport:
+        """Use these coalescer knobs until the next `reconfigure`."""
+        self.coalescer.reconfigure(config)
+        return self.report()
+
+    def report(self) -> ReplicaReport:
+        table = self.runtime.table
+        return ReplicaReport(replica=self.replica_id, registry_seq=self.registry.applied.seq,
+                             versions={n: table.current(n).version for n in sorted(table.names())},
+                             diverged=self.registry.diverged, coalescer=self.coalescer.config)
+
+    def local_stats(self) -> ReplicaStats:
+        s = self.coalescer.stats
+        return ReplicaStats(replica=self.replica_id, requests=s.requests, batches=s.batches,
+                            tasks=s.tasks, mean_batch_size=s.mean_batch_size,
+                            max_batch_seen=s.max_batch_seen, rejected=s.rejected,
+                            expired=s.expired, queue_depth=self.coalescer.queue_depth,
+                            sizes=dict(s.sizes), config=self.coalescer.config)
+
+    # -- helpers for the routes ------------------------------------------------------------------
+    def readiness(self) -> ReadyResponse:
+        """Ready unless the backend stalled or the registry could not be applied."""
+        reason = self.runtime.broken or self.registry.diverged
+        return ReadyResponse(ready=reason is None, replica=self.replica_id,
+                             registry_seq=self.registry.applied.seq, reason=reason)
+
+    async def broadcast(self, method: str, *args: Any) -> tuple[list[Any], list[str]]:
+        """Call `method` on every replica of this deployment: (results, failures as text)."""
+        if self._peers is None:  # made lazily: the first broadcast comes after start-up
+            self._peers = serve.get_deployment_handle(*self._deployment)
+        results = await self._peers.broadcast(method, *args).results_async(
+            timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True)
+        failed = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
+        return [r for r in results if not isinstance(r, BaseException)], failed
 
 
 def replica_gpus(backend: Backend, cluster_gpus: float) -> int:
-    """GPUs one replica reserves: 1 when its backend may use CUDA and the cluster has a GPU, else 0."""
+    """GPUs one replica reserves: 1 when its backend may use CUDA and the cluster has a GPU,
+    else 0."""
     return 1 if backend != "cpu" and cluster_gpus > 0 else 0
 
 
@@ -60,4 +135,5 @@ def build_app(args: dict[str, object]) -> Application:
     """
     config = AppArgs.model_validate(args)
     gpus = replica_gpus(config.backend, ray.cluster_resources().get("GPU", 0.0))
-    return GpuosIngress.options(ray_actor_options={"num_gpus": gpus}).bind(config.backend)
+    options = {"num_gpus": gpus, "num_cpus": config.num_cpus}
+    return GpuosIngress.options(ray_actor_options=options).bind(config)

@@ -16,7 +16,8 @@ class Backend(ABC):
     device: torch.device       # where task tensors must live
     needs_image_binary = False  # True: load() needs the linked cubin (see Runtime)
     arch: str | None = None         # the NVRTC target this backend's device needs (None: any)
-    tile_elements: int | None = None  # split tasks into records of about this much work (None: don't)
+    tile_elements: int | None = None
+    broken: str | None = None       # set when the backend refuses all further work, and why  # split tasks into records of about this much work (None: don't)
 
     @abstractmethod
     def load(self, image: Image, binary: bytes | None) -> None:

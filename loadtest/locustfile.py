@@ -1,0 +1,159 @@
+"""Locust users for gpuos-serve. Every answer's content is checked, not only its status.
+
+    MicroOpUser  softmax over a few rows and elementwise ops (add, mul, sigmoid, tanh) on fresh
+                 random inputs, checked against numpy
+    StormUser    calls the storm operator and checks each answer against the version it reports
+    StormAdmin   (exactly one) swaps the storm operator every second; every fourth change is a
+                 rollback
+
+Run through loadtest/run.py, or by hand:
+    locust -f loadtest/locustfile.py --headless -u 32 -r 32 -t 30s --host http://127.0.0.1:8000 \
+        MicroOpUser
+Run from the repository root (Locust puts the working directory on sys.path: loadtest.storm).
+Environment: GPUOS_ADMIN_TOKEN (StormAdmin, and StormUser's look-ups of version history),
+GPUOS_STORM_OP (the storm operator's name, default storm_affine).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from locust import FastHttpUser, between, constant, events, task
+
+from loadtest.storm import (EXPRESSIONS, STORM_OP, admin_headers, affine_versions,
+                            ensure_registered)
+
+ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
+    "add": np.add, "mul": np.multiply,
+    "sigmoid": lambda a: 1 / (1 + np.exp(-a)), "tanh": np.tanh,
+}
+ARITY = {"add": 2, "mul": 2, "sigmoid": 1, "tanh": 1}
+RTOL, ATOL = 1e-4, 1e-5
+LOOKUPS = 5  # history look-ups before an unknown version counts as a failure
+VERSIONS: dict[int, tuple[float, float]] = {}  # storm operator version → (scale, shift)
+rng = np.random.default_rng()
+
+
+def tensor(x: np.ndarray) -> dict[str, Any]:
+    """The JSON form of a float32 array (flat data and shape)."""
+    return {"data": x.reshape(-1).tolist(), "shape": list(x.shape), "dtype": "float32"}
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def mismatch(body: dict[str, Any], want: np.ndarray) -> str | None:
+    """Why `body` (an OpResponse) is not `want`, or None when it matches."""
+    out = body["output"]
+    if out["shape"] != list(want.shape):
+        return f"shape {out['shape']} != {list(want.shape)}"
+    got = np.asarray(out["data"], dtype=np.float32).reshape(want.shape)
+    if not np.allclose(got, want, rtol=RTOL, atol=ATOL):
+        return f"values off by up to {float(np.max(np.abs(got - want))):.3g}"
+    return None
+
+
+class CheckedUser(FastHttpUser):
+    """Posts operator calls and fails any answer whose content is wrong."""
+
+    abstract = True
+    wait_time = constant(0)  # closed loop: each user has one request in flight
+
+    def call(self, op: str, inputs: list[np.ndarray], check: Callable[[dict[str, Any]], str | None],
+             name: str | None = None) -> None:
+        payload = {"inputs": [tensor(x) for x in inputs]}
+        with self.client.post(f"/v1/ops/{op}", json=payload, name=name or f"/v1/ops/{op}",
+                              catch_response=True) as response:
+            if response.status_code != 200:
+                response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+                return
+            body = response.json()
+            problem = check(body) if body.get("op") == op else f"answered for {body.get('op')}"
+            if problem:
+                response.failure(f"{op} v{body.get('version')}: {problem}")
+
+
+class MicroOpUser(CheckedUser):
+    """Token-level micro-ops: softmax over 1-8 rows of 64, elementwise ops on 256 elements."""
+
+    @task(3)
+    def softmax_rows(self) -> None:
+        x = rng.standard_normal((int(rng.integers(1, 9)), 64), dtype=np.float32)
+        self.call("softmax", [x], lambda body: mismatch(body, softmax(x)))
+
+    @task(2)
+    def elementwise(self) -> None:
+        op = str(rng.choice(list(ELEMENTWISE)))
+        xs = [rng.standard_normal(256, dtype=np.float32) for _ in range(ARITY[op])]
+        self.call(op, xs, lambda body: mismatch(body, ELEMENTWISE[op](*xs)),
+                  name="/v1/ops/[elementwise]")
+
+
+class StormUser(CheckedUser):
+    """Calls the operator StormAdmin keeps swapping; checks the math of the version reported."""
+
+    @task
+    def storm(self) -> None:
+        x = rng.standard_normal(64, dtype=np.float32)
+        self.call(STORM_OP, [x], lambda body: self.check_version(body, x))
+
+    def check_version(self, body: dict[str, Any], x: np.ndarray) -> str | None:
+        version = int(body["version"])
+        for _ in range(LOOKUPS):  # the replica asked may not have applied the swap yet
+            if version in VERSIONS:
+                break
+            self.learn_versions()
+            time.sleep(0.2)  # gevent's: other users keep running
+        if version not in VERSIONS:
+            return f"version {version} is not in the operator's history"
+        scale, shift = VERSIONS[version]
+        return mismatch(body, x * np.float32(scale) + np.float32(shift))
+
+    def learn_versions(self) -> None:
+        with self.client.get(f"/admin/ops/{STORM_OP}", headers=admin_headers(),
+                             name="/admin/ops/[storm]", catch_response=True) as response:
+            if response.status_code != 200:
+                response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+                return
+            VERSIONS.update(affine_versions(response.json()["history"]))
+
+
+class StormAdmin(FastHttpUser):
+    """Changes the storm operator once a second: three swaps, then a rollback."""
+
+    fixed_count = 1
+    wait_time = between(0.95, 1.05)
+
+    def on_start(self) -> None:
+        self.changes = 0
+
+    @task
+    def change(self) -> None:
+        self.changes += 1
+        if self.changes % 4 == 0:
+            path, payload = f"/admin/ops/{STORM_OP}/rollback", None
+        else:
+            expression = EXPRESSIONS[self.changes % len(EXPRESSIONS)]
+            path, payload = f"/admin/ops/{STORM_OP}/swap", {"expression": expression}
+        with self.client.post(path, json=payload, headers=admin_headers(), catch_response=True,
+                              name=path.replace(STORM_OP, "[storm]")) as response:
+            if response.status_code != 200:
+                response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+                return
+            body = response.json()
+            VERSIONS.update(affine_versions(body["op"]["history"]))
+            stale = [r["replica"] for r in body["replicas"]
+                     if r["versions"].get(STORM_OP) != body["version"]]
+            if stale or body["unreachable"]:
+                response.failure(f"v{body['version']} not applied on {stale + body['unreachable']}")
+
+
+@events.test_start.add_listener
+def register_storm_operator(environment: Any, **_: Any) -> None:
+    """Make sure the storm operator exists before users start (run.py registered it already)."""
+    if any(u.__name__ in ("StormUser", "StormAdmin") for u in environment.user_classes):
+        VERSIONS.update(ensure_registered(environment.host))

@@ -1,0 +1,57 @@
+"""Configuration of the Serve layer: the app's `args:` and the coalescer's `user_config:`.
+
+Both are pydantic models that reject unknown keys, so a typo in a Serve config fails the deploy with
+the key's name instead of being ignored. Neither imports Ray: the coalescer is tested without it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Backend = Literal["auto", "cuda", "cpu"]
+ADMIN_TOKEN_ENV = "GPUOS_ADMIN_TOKEN"
+STATE_DIR_ENV = "GPUOS_STATE_DIR"
+DEFAULT_STATE_DIR = Path("~/.local/state/gpuos")
+
+
+class AppArgs(BaseModel):
+    """The `args:` block of a Serve config. Unknown keys are rejected so that a typo cannot pass
+    silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Backend = "auto"  # runtime backend of every replica; auto = cuda when a GPU is visible
+    admin_token: str | None = None  # bearer token of /admin; None: $GPUOS_ADMIN_TOKEN; unset: off
+    state_dir: str | None = None    # registry; None: $GPUOS_STATE_DIR or ~/.local/state/gpuos
+    max_elements: int = Field(1 << 20, ge=1)  # most tensor elements one /v1/ops request may carry
+    allow_raw_cuda: bool = False  # let /admin register and swap operators written as raw CUDA
+    num_cpus: float = Field(1.0, ge=0)  # CPUs one replica reserves in Ray's scheduler
+
+    def resolved_admin_token(self) -> str | None:
+        """The admin token in force: the arg, else the environment; None disables /admin."""
+        return self.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+
+    def resolved_state_dir(self) -> Path:
+        """The registry's directory: the arg, else the environment, else the XDG default."""
+        raw = self.state_dir or os.environ.get(STATE_DIR_ENV) or str(DEFAULT_STATE_DIR)
+        return Path(raw).expanduser()
+
+    def max_body_bytes(self) -> int:
+        """Largest request body read before parsing: generous for `max_elements` JSON numbers
+        (a float32 printed in full is at most ~16 characters), so only abuse is cut off early."""
+        return 32 * self.max_elements + (1 << 20)
+
+
+class CoalescerConfig(BaseModel):
+    """The coalescer's knobs: the deployment's `user_config`, changed live by `reconfigure`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True  # False: one runtime submission per request (the comparison baseline)
+    max_batch: int = Field(64, ge=1, le=4096)       # flush as soon as this many tasks wait
+    window_us: int = Field(200, ge=0, le=1_000_000)  # ... or this long after the first of them
+    max_queue: int = Field(1024, ge=1)              # waiting tasks beyond this are refused (503)
+    deadline_ms: int = Field(10_000, ge=1)          # a request not answered by then fails (504)

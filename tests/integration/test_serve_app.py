@@ -1,0 +1,334 @@
+"""The app as users run it: `serve run` of the shipped multi-replica config (two CPU replicas),
+reached over HTTP. One Serve instance serves the whole module; the last test restarts it from the
+shipped single-replica config on the same state dir, so it must stay last."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from loadtest import run as loadtest_run
+from loadtest.launch import REPO, ServeProcess, free_port, start_serve, write_config
+
+TOKEN = "integration-secret"
+MAX_ELEMENTS = 4096
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@dataclass
+class App:
+    """The running app and where its registry lives."""
+
+    process: ServeProcess
+    tmp: Path
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def start(self, config_name: str, replicas: int) -> None:
+        """Start `serve run` of a shipped config on a free port, on this app's state dir."""
+        port = free_port()
+        config = write_config(REPO / "deployments" / config_name, self.tmp / config_name, port,
+                              {"backend": "cpu", "state_dir": str(self.tmp / "state"),
+                               "admin_token": TOKEN, "max_elements": MAX_ELEMENTS,
+                               "num_cpus": 0.5})
+        self.process = start_serve(config, port, self.tmp / f"{config_name}.log")
+        self.process.wait_until_up("/readyz")
+        wait_for_replicas(self.url, replicas)
+
+
+def wait_for_replicas(url: str, count: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reports = httpx.get(f"{url}/admin/replicas", headers=ADMIN, timeout=30).json()
+        if len(reports["replicas"]) == count:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{count} replicas not up after {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
+    running = App(process=None, tmp=tmp_path_factory.mktemp("serve"))  # type: ignore[arg-type]
+    try:
+        running.start("multi.yaml", replicas=2)
+        yield running
+    finally:
+        if running.process is not None:
+            running.process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(app: App) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=app.url, timeout=60) as session:
+        yield session
+
+
+def tensor(x: torch.Tensor) -> dict[str, Any]:
+    """The JSON form of `x`: nested lists with its dtype."""
+    return {"data": x.float().tolist(), "dtype": str(x.dtype).removeprefix("torch.")}
+
+
+def output(body: dict[str, Any]) -> torch.Tensor:
+    out = body["output"]
+    return torch.tensor(out["data"], dtype=torch.float32).reshape(out["shape"])
+
+
+def call(client: httpx.Client, op: str, *xs: torch.Tensor, **options: Any) -> httpx.Response:
+    return client.post(f"/v1/ops/{op}", json={"inputs": [tensor(x) for x in xs], **options})
+
+
+async def call_many(url: str, requests: list[tuple[str, list[torch.Tensor]]]
+                    ) -> list[httpx.Response]:
+    """All `requests` at once."""
+    limits = httpx.Limits(max_connections=len(requests))
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as session:
+        return await asyncio.gather(*(
+            session.post(f"/v1/ops/{op}", json={"inputs": [tensor(x) for x in xs]})
+            for op, xs in requests))
+
+
+def set_knobs(client: httpx.Client, **knobs: Any) -> None:
+    response = client.put("/admin/coalescer", json=knobs, headers=ADMIN)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["replicas"]) == 2
+
+
+def totals(client: httpx.Client) -> dict[str, float]:
+    return client.get("/v1/stats").json()["total"]
+
+
+def test_health_readiness_and_the_operator_catalogue(client: httpx.Client) -> None:
+    assert client.get("/healthz").json() == {"status": "ok", "backend": "cpu"}
+    assert client.get("/readyz").json()["ready"] is True
+    body = client.get("/v1/ops").json()
+    ops = {op["name"]: op for op in body["ops"]}
+    assert body["backend"] == "cpu"
+    assert ops["softmax"]["family"] == "softmax" and ops["softmax"]["version"] == 1
+    assert ops["layernorm"]["scalars"] == [{"name": "eps", "default": 1e-5}]
+    assert (ops["layernorm"]["arity"], ops["layernorm"]["min_inputs"]) == (3, 1)
+    assert client.get("/docs").status_code == 200
+
+
+def test_concurrent_requests_are_answered_correctly_in_shared_submissions(
+        app: App, client: httpx.Client) -> None:
+    set_knobs(client, window_us=3000)
+    try:
+        before = totals(client)
+        requests = [("softmax", [torch.randn(4, 32)]) for _ in range(24)] + \
+                   [("mul", [torch.randn(64), torch.randn(64)]) for _ in range(24)]
+        responses = asyncio.run(call_many(app.url, requests))
+        after = totals(client)
+    finally:
+        set_knobs(client, window_us=200)
+    for (op, xs), response in zip(requests, responses):
+        assert response.status_code == 200, response.text
+        want = torch.softmax(xs[0], -1) if op == "softmax" else xs[0] * xs[1]
+        torch.testing.assert_close(output(response.json()), want)
+    tasks, batches = after["tasks"] - before["tasks"], after["batches"] - before["batches"]
+    assert tasks == len(requests)
+    assert tasks / batches > 1, f"{tasks} tasks in {batches} submissions: nothing coalesced"
+
+
+def test_coalescing_off_submits_each_request_alone(app: App, client: httpx.Client) -> None:
+    set_knobs(client, enabled=False, window_us=3000)
+    try:
+        before = totals(client)
+        responses = asyncio.run(call_many(app.url, [("exp", [torch.randn(8)])] * 16))
+        after = totals(client)
+    finally:
+        set_knobs(client, enabled=True, window_us=200)
+    assert all(r.status_code == 200 for r in responses)
+    assert after["batches"] - before["batches"] == after["tasks"] - before["tasks"] == 16
+
+
+def test_request_options_flat_data_dtypes_scalars_and_reductions(client: httpx.Client) -> None:
+    x = torch.randn(3, 5)
+    flat = {"inputs": [{"data": x.reshape(-1).tolist(), "shape": [3, 5]}], "out_dtype": "float16"}
+    body = client.post("/v1/ops/relu", json=flat).json()
+    assert body["output"]["dtype"] == "float16"
+    torch.testing.assert_close(output(body), torch.relu(x).half().float())
+    body = call(client, "leaky_relu", x, scalars={"negative_slope": 0.2}).json()
+    torch.testing.assert_close(output(body), torch.nn.functional.leaky_relu(x, 0.2))
+    body = call(client, "sum", x, dims=[1], keepdim=True).json()
+    torch.testing.assert_close(output(body), x.sum(1, keepdim=True))
+    half = torch.randn(2, 8).bfloat16()
+    body = call(client, "softmax", half).json()
+    assert body["output"]["dtype"] == "bfloat16"
+    torch.testing.assert_close(output(body), torch.softmax(half.float(), -1), atol=1e-2, rtol=2e-2)
+
+
+BAD_INPUTS = [  # (op, body, status, words the message must contain)
+    ("add", {"inputs": [{"data": [1, 2, 3]}, {"data": [1, 2]}]}, 422, "do not broadcast"),
+    ("add", {"inputs": [{"data": [1, 2]}]}, 422, "takes 2 tensor input(s), got 1"),
+    ("relu", {"inputs": [{"data": [1, 2], "dtype": "int8"}]}, 422, "'float32', 'float16'"),
+    ("relu", {"inputs": [{"data": [[1, 2], [3]]}]}, 422, "evenly nested lists"),
+    ("relu", {"inputs": [{"data": [1, "x"]}]}, 422, "must be numbers"),
+    ("relu", {"inputs": [{"data": [1, 2, 3], "shape": [2, 2]}]}, 422, "does not fit shape"),
+    ("clamp", {"inputs": [{"data": [1, 2]}]}, 422, "needs the parameter 'min'"),
+    ("relu", {"inputs": [{"data": [1.0]}], "scalars": {"alpha": 1}}, 422, "no parameter"),
+    ("relu", {"inputs": [{"data": [1.0]}], "colour": "red"}, 422, "Extra inputs"),
+    ("relu", {"inputs": [{"data": [0.5] * (MAX_ELEMENTS + 1)}]}, 413, f"more than {MAX_ELEMENTS}"),
+    ("no_such_op", {"inputs": [{"data": [1.0]}]}, 404, "unknown operator 'no_such_op'"),
+]
+
+
+@pytest.mark.parametrize(("op", "body", "status", "words"), BAD_INPUTS,
+                         ids=[f"{b[0]}-{b[2]}-{i}" for i, b in enumerate(BAD_INPUTS)])
+def test_bad_inputs_get_clear_errors_and_the_replica_keeps_serving(
+        client: httpx.Client, op: str, body: dict[str, Any], status: int, words: str) -> None:
+    response = client.post(f"/v1/ops/{op}", json=body)
+    assert response.status_code == status, response.text
+    assert words in response.text
+    x = torch.randn(7)
+    torch.testing.assert_close(output(call(client, "neg", x).json()), -x)
+
+
+def test_a_body_too_large_to_parse_is_refused_unread(client: httpx.Client) -> None:
+    response = client.post("/v1/ops/relu", content=b"[" + b"0," * 1_000_000 + b"0]",
+                           headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "request body over" in response.json()["detail"]
+
+
+def test_malformed_json_is_a_422(client: httpx.Client) -> None:
+    response = client.post("/v1/ops/relu", content=b"{not json",
+                           headers={"content-type": "application/json"})
+    assert response.status_code == 422
+
+
+@pytest.mark.parametrize(("headers", "status", "words"), [
+    ({}, 401, "missing"), ({"Authorization": "Bearer nope"}, 403, "wrong admin token"),
+    ({"Authorization": f"Basic {TOKEN}"}, 403, "wrong admin token")])
+def test_admin_routes_need_the_bearer_token(client: httpx.Client, headers: dict[str, str],
+                                            status: int, words: str) -> None:
+    for method, path in (("GET", "/admin/ops"), ("POST", "/admin/ops/relu/rollback")):
+        response = client.request(method, path, headers=headers)
+        assert response.status_code == status and words in response.json()["detail"]
+    if status == 401:
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+    assert client.get("/admin/ops", headers=ADMIN).status_code == 200
+
+
+def test_register_swap_and_rollback_reach_both_replicas(app: App, client: httpx.Client) -> None:
+    made = client.post("/admin/ops", headers=ADMIN,
+                       json={"name": "it_affine", "expression": "A * 2 + 1"})
+    assert made.status_code == 201, made.text
+    assert_everywhere(made.json(), "it_affine", 1)
+    swapped = client.post("/admin/ops/it_affine/swap", headers=ADMIN, json={"expression": "A * 3"})
+    assert swapped.status_code == 200, swapped.text
+    assert_everywhere(swapped.json(), "it_affine", 2)
+    assert_answers(app, "it_affine", 2, lambda x: x * 3)
+    rolled = client.post("/admin/ops/it_affine/rollback", headers=ADMIN)
+    assert rolled.status_code == 200, rolled.text
+    assert_everywhere(rolled.json(), "it_affine", 1)
+    assert_answers(app, "it_affine", 1, lambda x: x * 2 + 1)
+    op = client.get("/admin/ops/it_affine", headers=ADMIN).json()
+    assert [v["source"] for v in op["history"]] == ["A * 2 + 1", "A * 3"]
+    assert (op["current"], op["active"]) == (1, [1])
+
+
+def assert_everywhere(change: dict[str, Any], op: str, version: int) -> None:
+    """The change's response shows `version` of `op` active on both replicas."""
+    assert change["version"] == version and not change["unreachable"]
+    assert [r["versions"][op] for r in change["replicas"]] == [version, version]
+    assert len({r["registry_seq"] for r in change["replicas"]}) == 1
+
+
+def assert_answers(app: App, op: str, version: int, fn: Any) -> None:
+    """Concurrent calls all come from `version` and compute `fn`, until both replicas answered
+    (Serve's router picks replicas by load, so one round may land on one replica only)."""
+    replicas: set[str] = set()
+    for _ in range(10):
+        xs = [torch.randn(16) for _ in range(16)]
+        bodies = [r.json() for r in asyncio.run(call_many(app.url, [(op, [x]) for x in xs]))]
+        assert {b["version"] for b in bodies} == {version}
+        for x, body in zip(xs, bodies):
+            torch.testing.assert_close(output(body), fn(x))
+        replicas |= {b["replica"] for b in bodies}
+        if len(replicas) == 2:
+            return
+    raise AssertionError(f"only replica(s) {replicas} answered")
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words"), [
+    ("/admin/ops/gelu/swap", {"expression": "A +* 2"}, 400, "position 3"),
+    ("/admin/ops/gelu/swap", {"expression": "A + B"}, 400, "beyond the operator's 1 input"),
+    ("/admin/ops/gelu/swap", {"expression": "A", "cuda": "return a[0];"}, 403, "raw CUDA"),
+    ("/admin/ops/softmax/swap", {"expression": "A"}, 422, "only elementwise"),
+    ("/admin/ops/no_such_op/swap", {"expression": "A"}, 404, "unknown operator"),
+    ("/admin/ops/gelu/rollback", None, 409, "nothing to roll back to"),
+    ("/admin/ops", {"name": "relu", "expression": "A"}, 409, "exists"),
+    ("/admin/ops", {"name": "Bad-Name", "expression": "A"}, 422, "invalid"),
+])
+def test_refused_changes_say_why_and_the_old_version_keeps_serving(
+        client: httpx.Client, path: str, body: dict[str, str] | None, status: int,
+        words: str) -> None:
+    response = client.post(path, json=body, headers=ADMIN)
+    assert response.status_code == status, response.text
+    assert words in response.text
+    if status == 400 and "position" in words:
+        assert response.json()["position"] == 3
+    x = torch.randn(9)
+    body = call(client, "gelu", x).json()
+    assert body["version"] == 1
+    torch.testing.assert_close(output(body), torch.nn.functional.gelu(x))
+
+
+def test_a_full_queue_is_503_with_retry_after_and_a_late_answer_504(
+        app: App, client: httpx.Client) -> None:
+    set_knobs(client, max_queue=1, window_us=1_000_000, deadline_ms=3000)
+    try:  # each replica holds one task for the whole window: the rest are refused
+        full = asyncio.run(call_many(app.url, [("exp", [torch.randn(4)])] * 6))
+        set_knobs(client, deadline_ms=100)
+        late = call(client, "exp", torch.randn(4))
+    finally:
+        set_knobs(client, max_queue=1024, window_us=200, deadline_ms=10000)
+    refused = [r for r in full if r.status_code == 503]
+    assert refused and all(r.status_code in (200, 503) for r in full)
+    assert refused[0].headers["Retry-After"] == "1" and "max_queue 1" in refused[0].text
+    assert late.status_code == 504 and "deadline" in late.json()["detail"]
+
+
+def test_coalescer_knobs_out_of_range_are_refused(client: httpx.Client) -> None:
+    response = client.put("/admin/coalescer", json={"max_batch": 0}, headers=ADMIN)
+    assert response.status_code == 422 and "max_batch" in response.text
+    reports = client.get("/admin/replicas", headers=ADMIN).json()["replicas"]
+    assert {r["coalescer"]["max_batch"] for r in reports} == {64}
+
+
+def test_a_short_swap_storm_under_load_has_no_failures(app: App, tmp_path: Path) -> None:
+    code = loadtest_run.main(["swap-storm", "--users", "6", "--duration", "5", "--coalescing",
+                              "on", "--warmup", "0", "--url", app.url, "--admin-token", TOKEN,
+                              "--out", str(tmp_path)])
+    (run,) = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    assert code == 0 and run["failures"] == 0, run
+    assert run["requests"] > 20 and run["mean_batch_size"] >= 1
+
+
+def test_the_registry_survives_a_restart(app: App, client: httpx.Client) -> None:
+    """Last in the module: stops the shared instance and starts the shipped llm.yaml."""
+    assert client.post("/admin/ops", headers=ADMIN,
+                       json={"name": "kept", "expression": "A - 1"}).status_code == 201
+    for expression in ("A - 2", "A - 3"):
+        client.post("/admin/ops/kept/swap", headers=ADMIN, json={"expression": expression})
+    client.post("/admin/ops/kept/rollback", headers=ADMIN)  # active [1, 2]
+    app.process.stop()
+    app.start("llm.yaml", replicas=1)
+    with httpx.Client(base_url=app.url, timeout=60) as fresh:
+        op = fresh.get("/admin/ops/kept", headers=ADMIN).json()
+        assert [v["source"] for v in op["history"]] == ["A - 1", "A - 2", "A - 3"]
+        assert op["active"] == [1, 2]
+        x = torch.randn(5)
+        body = call(fresh, "kept", x).json()
+        assert body["version"] == 2
+        torch.testing.assert_close(output(body), x - 2)
+        assert fresh.get("/healthz").json() == {"status": "ok", "backend": "cpu"}
