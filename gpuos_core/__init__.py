@@ -6,6 +6,7 @@ from .errors import (BackendUnavailableError, CanaryCrashError, CanaryMismatchEr
                      OperatorExistsError, RollbackError, RuntimeClosedError, TaskFailedError,
                      TensorSpecError, UnknownOperatorError, WaitTimeoutError)
 from .config import CudaConfig, RuntimeConfig
+from .dispatch import Scheduler, SchedulerConfig, SchedulerStats, scheduler
 from .runtime import Runtime
 
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "CanaryCrashError", "CanaryMismatchError", "CompileError", "ExpressionError", "GpuosError",
     "LinkError", "OperatorExistsError", "RawCudaDisabledError",
     "RollbackError", "RuntimeClosedError", "TaskFailedError", "TensorSpecError",
-    "UnknownOperatorError", "WaitTimeoutError",
+    "UnknownOperatorError", "WaitTimeoutError", "Scheduler", "SchedulerConfig", "SchedulerStats",
+    "scheduler",
 ]
