@@ -1,0 +1,594 @@
+"""Decoder-only transformers of the GPT-2 and Llama families in Hugging Face format, and their plain torch
+reference forward.
+
+A model directory holds `config.json` and `*.safetensors` (one file, or shards listed by
+`model.safetensors.index.json`) with Hugging Face tensor names. Both families are normalised into one
+`ModelConfig` and one `Weights` layout (every projection a `Linear` with torch's [out, in] weight; q/k/v
+fused into one `qkv`, Llama's gate/up fused into one `up`), so the engine runs one code path.
+
+The forward here is the reference the engine is checked against: per-row functions (`rms_norm`,
+`layer_norm`, `apply_rotary`, `attend`, ...) take stacked rows and explicit positions so the engine can
+reuse them on ragged batches. Torch only: Hugging Face `transformers` is never imported here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from gpuos_core.errors import GpuosError
+
+log = logging.getLogger("gpuos.llm")
+Getter = Callable[[str], torch.Tensor]   # a tensor by its Hugging Face name
+
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
+                                  "bfloat16": torch.bfloat16}
+# GPT-2 activation names of Hugging Face mapped to F.gelu's `approximate` argument ("tanh" is gelu_new).
+GPT2_GELU: dict[str, str] = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
+                             "gelu": "none"}
+
+
+class ModelLoadError(GpuosError, ValueError):
+    """A model directory is missing a file or tensor, or uses a feature this loader does not support."""
+
+
+class KVCacheFullError(GpuosError, RuntimeError):
+    """A request's KV cache (or the model's positions) has no room for the tokens given: allocate a
+    longer cache or finish the request."""
+
+
+# ---------------------------------------------------------------------------------------------- configs
+@dataclass(frozen=True)
+class ModelConfig:
+    """Family-independent shape and numerics of a decoder; what the forward and the engine read."""
+
+    family: str                 # "gpt2" or "llama"
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int                  # query heads
+    kv_heads: int               # key/value heads (== heads for multi-head attention, fewer for GQA)
+    head_dim: int
+    intermediate: int           # MLP inner width
+    max_positions: int          # longest sequence the positions (learned table or rotary) allow
+    norm_eps: float
+    activation: str             # "gelu_tanh", "gelu" or "silu_glu"
+    rope_theta: float | None    # rotary base; None for learned positions
+    tie_embeddings: bool        # lm_head shares the token embedding
+    eos_token_id: int | None
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """The config.json keys of a GPT-2 model that this loader reads (Hugging Face defaults)."""
+
+    vocab_size: int = 50257
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_positions: int = 1024
+    n_inner: int | None = None
+    layer_norm_epsilon: float = 1e-5
+    activation_function: str = "gelu_new"
+    eos_token_id: int | None = 50256
+
+    def normalise(self) -> ModelConfig:
+        """The family-independent config; raises ModelLoadError for an unsupported activation."""
+        if self.activation_function not in GPT2_GELU:
+            raise ModelLoadError(f"GPT-2 activation_function {self.activation_function!r} is not "
+                                 f"supported; use one of {sorted(GPT2_GELU)}")
+        gelu = "gelu_tanh" if GPT2_GELU[self.activation_function] == "tanh" else "gelu"
+        return ModelConfig("gpt2", self.vocab_size, self.n_embd, self.n_layer, self.n_head, self.n_head,
+                           self.n_embd // self.n_head, self.n_inner or 4 * self.n_embd, self.n_positions,
+                           self.layer_norm_epsilon, gelu, None, True, self.eos_token_id)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The config.json keys of a Llama model that this loader reads (Hugging Face defaults)."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int = 11008
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    eos_token_id: int | list[int] | None = 2
+
+    def normalise(self) -> ModelConfig:
+        """The family-independent config; raises ModelLoadError for features the forward lacks."""
+        unsupported = {"rope_scaling": self.rope_scaling, "attention_bias": self.attention_bias,
+                       "mlp_bias": self.mlp_bias, "hidden_act != silu": self.hidden_act != "silu"}
+        if bad := [name for name, value in unsupported.items() if value]:
+            raise ModelLoadError(f"Llama config uses {bad}, which this loader does not support")
+        eos = self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
+        heads = self.num_attention_heads
+        return ModelConfig("llama", self.vocab_size, self.hidden_size, self.num_hidden_layers, heads,
+                           self.num_key_value_heads or heads, self.head_dim or self.hidden_size // heads,
+                           self.intermediate_size, self.max_position_embeddings, self.rms_norm_eps,
+                           "silu_glu", self.rope_theta, self.tie_word_embeddings, eos)
+
+
+FAMILIES: dict[str, type[GPT2Config] | type[LlamaConfig]] = {"gpt2": GPT2Config, "llama": LlamaConfig}
+
+
+def family_of(raw: dict[str, Any]) -> str:
+    """The family named by a config.json's `model_type`, or guessed from its keys when it has none."""
+    kind = raw.get("model_type") or ("gpt2" if "n_embd" in raw else "llama")
+    if kind not in FAMILIES:
+        raise ModelLoadError(f"model_type {kind!r} is not supported; supported: {sorted(FAMILIES)}")
+    return kind
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    """Normalise a config.json dictionary; keys the family dataclass does not know are ignored."""
+    cls = FAMILIES[family_of(raw)]
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in raw.items() if k in known}).normalise()
+
+
+# ---------------------------------------------------------------------------------------------- weights
+@dataclass
+class Linear:
+    """y = x @ weight.T + bias, torch's layout: weight [out, in]."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class Norm:
+    """LayerNorm (bias present) or RMSNorm (bias None) parameters."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class LayerWeights:
+    """One decoder block."""
+
+    attn_norm: Norm
+    qkv: Linear                 # rows: heads*head_dim queries, then kv_heads*head_dim keys, then values
+    o: Linear
+    mlp_norm: Norm
+    up: Linear                  # gpt2: c_fc; llama: gate rows then up rows (2*intermediate)
+    down: Linear
+
+
+@dataclass
+class Weights:
+    """All parameters of a decoder in the normalised layout."""
+
+    embed: torch.Tensor             # [vocab, hidden]
+    positions: torch.Tensor | None  # [max_positions, hidden] learned (gpt2); None with rotary
+    layers: list[LayerWeights]
+    final_norm: Norm
+    lm_head: torch.Tensor           # [vocab, hidden]; the same tensor as `embed` when tied
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every parameter tensor once (the tied lm_head is not repeated)."""
+        yield from (self.embed, self.lm_head) if self.lm_head is not self.embed else (self.embed,)
+        yield from [self.positions] if self.positions is not None else []
+        for part in [*self.layers, self.final_norm]:
+            yield from (t for t in _leaves(part) if t is not None)
+
+
+def _leaves(obj: Any) -> Iterator[torch.Tensor | None]:
+    """Tensors inside nested weight dataclasses, in field order."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        yield from _leaves(value) if hasattr(value, "__dataclass_fields__") else [value]
+
+
+# --------------------------------------------------------------------- HF names <-> normalised weights
+def _conv1d(get: Getter, name: str) -> Linear:
+    """A GPT-2 Conv1D: its weight is stored [in, out], torch's Linear wants [out, in]."""
+    return Linear(get(f"{name}.weight").t().contiguous(), get(f"{name}.bias"))
+
+
+def _cat(get: Getter, *names: str) -> Linear:
+    """Bias-free projections stacked by output rows, so one matmul computes them all."""
+    return Linear(torch.cat([get(f"{name}.weight") for name in names]))
+
+
+def _layer_norm(get: Getter, name: str) -> Norm:
+    return Norm(get(f"{name}.weight"), get(f"{name}.bias"))
+
+
+def _gpt2_layer(get: Getter, i: int) -> LayerWeights:
+    """GPT-2 block i from HF tensors."""
+    p = f"transformer.h.{i}."
+    return LayerWeights(_layer_norm(get, p + "ln_1"), _conv1d(get, p + "attn.c_attn"),
+                        _conv1d(get, p + "attn.c_proj"), _layer_norm(get, p + "ln_2"),
+                        _conv1d(get, p + "mlp.c_fc"), _conv1d(get, p + "mlp.c_proj"))
+
+
+def _llama_layer(get: Getter, i: int) -> LayerWeights:
+    """Llama block i from HF tensors; q/k/v and gate/up are concatenated for one matmul each."""
+    p = f"model.layers.{i}."
+    return LayerWeights(Norm(get(p + "input_layernorm.weight")),
+                        _cat(get, p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"),
+                        _cat(get, p + "self_attn.o_proj"), Norm(get(p + "post_attention_layernorm.weight")),
+                        _cat(get, p + "mlp.gate_proj", p + "mlp.up_proj"), _cat(get, p + "mlp.down_proj"))
+
+
+def weights_from_hf(config: ModelConfig, get: Getter) -> Weights:
+    """Build Weights from `get(hf_name) -> Tensor` (raises ModelLoadError for a missing name)."""
+    layer = _gpt2_layer if config.family == "gpt2" else _llama_layer
+    layers = [layer(get, i) for i in range(config.layers)]
+    if config.family == "gpt2":
+        embed = get("transformer.wte.weight")
+        final = _layer_norm(get, "transformer.ln_f")
+        return Weights(embed, get("transformer.wpe.weight"), layers, final, embed)
+    embed = get("model.embed_tokens.weight")
+    head = embed if config.tie_embeddings else get("lm_head.weight")
+    return Weights(embed, None, layers, Norm(get("model.norm.weight")), head)
+
+
+def _gpt2_to_hf(w: Weights) -> dict[str, torch.Tensor]:
+    out = {"transformer.wte.weight": w.embed, "transformer.wpe.weight": w.positions,
+           "transformer.ln_f.weight": w.final_norm.weight, "transformer.ln_f.bias": w.final_norm.bias}
+    for i, lw in enumerate(w.layers):
+        parts = {"ln_1": lw.attn_norm, "attn.c_attn": lw.qkv, "attn.c_proj": lw.o, "ln_2": lw.mlp_norm,
+                 "mlp.c_fc": lw.up, "mlp.c_proj": lw.down}
+        for name, part in parts.items():
+            weight = part.weight.t() if isinstance(part, Linear) else part.weight
+            out[f"transformer.h.{i}.{name}.weight"] = weight.contiguous()
+            out[f"transformer.h.{i}.{name}.bias"] = part.bias
+    return out
+
+
+def _llama_to_hf(w: Weights, config: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm.weight}
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = w.lm_head
+    q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
+    for i, lw in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        splits = {"self_attn.": (lw.qkv.weight.split([q, kv, kv]), ("q_proj", "k_proj", "v_proj")),
+                  "mlp.": (lw.up.weight.chunk(2), ("gate_proj", "up_proj"))}
+        for prefix, (tensors, names) in splits.items():
+            out.update({f"{p}{prefix}{n}.weight": t.contiguous() for n, t in zip(names, tensors)})
+        out.update({p + "self_attn.o_proj.weight": lw.o.weight, p + "mlp.down_proj.weight": lw.down.weight,
+                    p + "input_layernorm.weight": lw.attn_norm.weight,
+                    p + "post_attention_layernorm.weight": lw.mlp_norm.weight})
+    return out
+
+
+def weights_to_hf(config: ModelConfig, weights: Weights) -> dict[str, torch.Tensor]:
+    """The Hugging Face state dict of `weights` (the inverse of weights_from_hf; tied lm_head omitted)."""
+    return _gpt2_to_hf(weights) if config.family == "gpt2" else _llama_to_hf(weights, config)
+
+
+# ------------------------------------------------------------------------------------- files on disk
+def _shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory, in index order when sharded."""
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in dict.fromkeys(weight_map.values())]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors file (nor {INDEX_FILE}); save the model with "
+                             "safetensors (save_pretrained(..., safe_serialization=True))")
+    return files
+
+
+def read_tensors(path: Path, dtype: torch.dtype | None, device: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files, cast to `dtype` (None keeps each file's)."""
+    files, out = _shard_files(path), {}
+    for n, file in enumerate(files, 1):
+        log.info("loading %s: shard %d/%d (%s, %.1f MiB)", path.name, n, len(files), file.name,
+                 file.stat().st_size / 2**20)
+        with safe_open(str(file), framework="pt", device=device) as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    out = {k: v.to(dtype) if dtype is not None else v for k, v in out.items()}
+    # Hub GPT-2 checkpoints (e.g. "gpt2") were saved from GPT2Model: their names lack "transformer.".
+    bare = ("wte", "wpe", "h", "ln_f")
+    return {("transformer." + k if k.split(".")[0] in bare else k): v for k, v in out.items()}
+
+
+def _getter(tensors: dict[str, torch.Tensor], path: Path) -> Getter:
+    """`get(name)` over `tensors` that raises ModelLoadError naming the missing tensor."""
+    def get(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: tensor {name!r} is missing from the safetensors files")
+        return tensors[name]
+    return get
+
+
+def save_pretrained(path: str | Path, raw_config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                    shards: int = 1) -> Path:
+    """Write config.json and the tensors as Hugging Face safetensors (an index file when shards > 1)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw_config, indent=2))
+    names = list(tensors)
+    groups = [names[i::shards] for i in range(shards)]
+    files = ["model.safetensors"] if shards == 1 else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+                                                       for i in range(shards)]
+    for file, group in zip(files, groups):
+        save_file({k: tensors[k].contiguous() for k in group}, str(path / file), metadata={"format": "pt"})
+    if shards > 1:
+        weight_map = {k: file for file, group in zip(files, groups) for k in group}
+        (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    return path
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """Accept a torch dtype or its name ("bfloat16", "float16", "float32")."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str = "cpu") -> Model:
+    """Load a GPT-2 or Llama model from a Hugging Face-format directory.
+
+    `dtype` None keeps the checkpoint's dtype. Raises ModelLoadError for a missing config.json or tensor
+    or an unsupported feature. Progress is logged to the `gpuos.llm` logger.
+    """
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} has no config.json; point the model path at a Hugging Face "
+                             "model directory")
+    config = parse_config(json.loads((path / "config.json").read_text()))
+    tensors = read_tensors(path, _dtype(dtype), device)
+    weights = weights_from_hf(config, _getter(tensors, path))
+    params = sum(t.numel() for t in weights.tensors())
+    log.info("loaded %s: %s, %d layers, hidden %d, %.1fM parameters, %s", path.name, config.family,
+             config.layers, config.hidden, params / 1e6, weights.embed.dtype)
+    return Model(config, weights)
+
+
+# --------------------------------------------------------------------------------------- tiny models
+TINY: dict[str, dict[str, Any]] = {
+    "gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 256, "n_embd": 64,
+             "n_layer": 2, "n_head": 4, "n_positions": 128, "layer_norm_epsilon": 1e-5,
+             "activation_function": "gelu_new", "bos_token_id": 0, "eos_token_id": 0,
+             "torch_dtype": "float32"},
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
+              "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "max_position_embeddings": 128, "tie_word_embeddings": False, "hidden_act": "silu",
+              "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "float32"},
+}
+
+
+def _random_norm(hidden: int, gen: torch.Generator, biased: bool) -> Norm:
+    """Norm weights near 1 (not exactly, so a wrongly mapped norm shows in the logits)."""
+    bias = 0.1 * torch.randn(hidden, generator=gen) if biased else None
+    return Norm(1 + 0.1 * torch.randn(hidden, generator=gen), bias)
+
+
+def _random_layer(config: ModelConfig, gen: torch.Generator, biased: bool) -> LayerWeights:
+    """A block with weights scaled 1/sqrt(fan_in) so activations stay O(1) and every weight matters."""
+    def lin(out: int, inp: int) -> Linear:
+        bias = torch.randn(out, generator=gen) * 0.1 if biased else None
+        return Linear(torch.randn(out, inp, generator=gen) / math.sqrt(inp), bias)
+
+    qkv = (config.heads + 2 * config.kv_heads) * config.head_dim
+    up = config.intermediate * (2 if config.activation == "silu_glu" else 1)
+    attn_norm, mlp_norm = (_random_norm(config.hidden, gen, biased) for _ in range(2))
+    attn_out = lin(config.hidden, config.heads * config.head_dim)
+    return LayerWeights(attn_norm, lin(qkv, config.hidden), attn_out, mlp_norm, lin(up, config.hidden),
+                        lin(config.hidden, config.intermediate))
+
+
+def random_weights(config: ModelConfig, seed: int) -> Weights:
+    """Random fp32 weights of `config`'s shapes, reproducible from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    biased = config.family == "gpt2"
+    layers = [_random_layer(config, gen, biased) for _ in range(config.layers)]
+    embed = torch.randn(config.vocab_size, config.hidden, generator=gen)
+    positions = torch.randn(config.max_positions, config.hidden, generator=gen) * 0.5 if biased else None
+    final = _random_norm(config.hidden, gen, biased)
+    shape = (config.vocab_size, config.hidden)
+    head = embed if config.tie_embeddings else torch.randn(shape, generator=gen) / math.sqrt(config.hidden)
+    return Weights(embed, positions, layers, final, head)
+
+
+def create_tiny_model(path: str | Path, family: str, seed: int = 0, shards: int = 1) -> Path:
+    """Save a small random `family` model ("gpt2" or "llama", vocab 256 for the byte tokenizer) in
+    Hugging Face format at `path` and return the path; load it with load_model like any other."""
+    if family not in TINY:
+        raise ModelLoadError(f"family {family!r} is not supported; use one of {sorted(TINY)}")
+    config = parse_config(TINY[family])
+    tensors = weights_to_hf(config, random_weights(config, seed))
+    log.info("creating tiny %s model (seed %d) at %s", family, seed, path)
+    return save_pretrained(path, TINY[family], tensors, shards)
+
+
+# ------------------------------------------------------------------------------------------- KV cache
+@dataclass
+class KVCache:
+    """One request's keys and values, preallocated [layers, kv_heads, max_len, head_dim].
+
+    `length` tokens (positions 0..length-1) are valid. A forward at `start` <= length overwrites from
+    `start` on, so a caller may roll back (e.g. drop rejected tokens) by passing an earlier start.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, max_len: int, dtype: torch.dtype,
+                 device: str = "cpu") -> KVCache:
+        """An empty cache for up to `max_len` tokens."""
+        shape = (config.layers, config.kv_heads, max_len, config.head_dim)
+        return cls(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(2)))
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[2]
+
+    def check_room(self, start: int, count: int) -> None:
+        """Raise unless positions start..start+count-1 fit and `start` leaves no gap."""
+        if start > self.length:
+            raise ValueError(f"start {start} is past the cache's {self.length} valid tokens; "
+                             "positions must be contiguous")
+        if start + count > self.max_len:
+            raise KVCacheFullError(f"KV cache holds {self.max_len} tokens; writing {count} at position "
+                                   f"{start} needs {start + count}: allocate a longer cache or finish "
+                                   "the request")
+
+    def write(self, layer: int, start: int, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [kv_heads, T, head_dim] at positions start.. and return all keys and values up to
+        start+T, each [kv_heads, start+T, head_dim]."""
+        end = start + k.shape[1]
+        self.keys[layer, :, start:end] = k
+        self.values[layer, :, start:end] = v
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+
+# ------------------------------------------------------------------------------- reference functions
+def layer_norm(x: torch.Tensor, norm: Norm, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension, computed in fp32 and returned in x's dtype."""
+    return F.layer_norm(x.float(), x.shape[-1:], norm.weight.float(), norm.bias.float(), eps).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, norm: Norm, eps: float) -> torch.Tensor:
+    """RMSNorm as Hugging Face Llama: normalise in fp32, cast back, then scale by the weight."""
+    xf = x.float()
+    return norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def normalize(x: torch.Tensor, norm: Norm, eps: float) -> torch.Tensor:
+    """LayerNorm when the norm has a bias (GPT-2), else RMSNorm (Llama)."""
+    return layer_norm(x, norm, eps) if norm.bias is not None else rms_norm(x, norm, eps)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int,
+                   theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [N, head_dim] (fp32) of rotary embedding for `positions` [N], HF's half-split layout."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate x [N, heads, head_dim] by its row's position (rotate-half convention of HF Llama)."""
+    cos, sin = (t[:, None, :].to(x.dtype) for t in rotary_cos_sin(positions, x.shape[-1], theta))
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of one request: q [T, heads, d] at positions start..start+T-1 over k, v
+    [kv_heads, start+T, d]; query head h reads kv head h // (heads // kv_heads). Softmax in fp32.
+    Returns [T, heads, d] in q's dtype."""
+    group = q.shape[1] // k.shape[0]
+    k, v = (t.float().repeat_interleave(group, dim=0) for t in (k, v))
+    scores = torch.einsum("thd,hsd->hts", q.float(), k) / math.sqrt(q.shape[-1])
+    query_pos = torch.arange(start, start + q.shape[0], device=q.device)[:, None]
+    future = torch.arange(k.shape[1], device=q.device)[None, :] > query_pos
+    scores = scores.masked_fill(future, float("-inf"))
+    return torch.einsum("hts,hsd->thd", scores.softmax(-1), v).to(q.dtype)
+
+
+def mlp(x: torch.Tensor, layer: LayerWeights, activation: str) -> torch.Tensor:
+    """The block's MLP: GELU (tanh or exact) for GPT-2, SwiGLU (silu(gate) * up) for Llama."""
+    h = layer.up(x)
+    if activation == "silu_glu":
+        gate, up = h.chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
+    return layer.down(F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none"))
+
+
+# ---------------------------------------------------------------------------------------------- model
+@dataclass
+class Model:
+    """A loaded decoder: its config, weights, and the plain torch reference forward of one request."""
+
+    config: ModelConfig
+    weights: Weights
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.embed.dtype
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        """An empty KV cache in the model's dtype and device (default length: max_positions)."""
+        return KVCache.allocate(self.config, max_len or self.config.max_positions, self.dtype,
+                                str(self.weights.embed.device))
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [N, hidden], plus learned position embeddings for GPT-2."""
+        last, limit = int(positions.max()), self.config.max_positions
+        if last >= limit:
+            raise KVCacheFullError(f"position {last} is past the model's {limit} positions; shorten the "
+                                   "prompt or max_tokens")
+        x = self.weights.embed[tokens]
+        return x + self.weights.positions[positions] if self.weights.positions is not None else x
+
+    def qkv(self, layer: LayerWeights, x: torch.Tensor,
+            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project normed rows x [N, hidden] (row i at positions[i]) to q [N, heads, d] and k, v
+        [N, kv_heads, d], rotary applied."""
+        c = self.config
+        sizes = [c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim]
+        q, k, v = (t.view(x.shape[0], -1, c.head_dim) for t in layer.qkv(x).split(sizes, -1))
+        if c.rope_theta is not None:
+            q, k = apply_rotary(q, positions, c.rope_theta), apply_rotary(k, positions, c.rope_theta)
+        return q, k, v
+
+    def block(self, i: int, x: torch.Tensor, cache: KVCache | None, start: int) -> torch.Tensor:
+        """Decoder block i over one request's rows x [T, hidden] at positions start..start+T-1."""
+        c, layer = self.config, self.weights.layers[i]
+        positions = torch.arange(start, start + x.shape[0], device=x.device)
+        q, k, v = self.qkv(layer, normalize(x, layer.attn_norm, c.norm_eps), positions)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if cache is not None:
+            k, v = cache.write(i, start, k, v)
+        x = x + layer.o(attend(q, k, v, start).reshape(x.shape[0], -1))
+        return x + mlp(normalize(x, layer.mlp_norm, c.norm_eps), layer, c.activation)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden rows [N, hidden] to logits [N, vocab] in fp32."""
+        x = normalize(x, self.weights.final_norm, self.config.norm_eps)
+        return F.linear(x, self.weights.lm_head).float()
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        """Logits [T, vocab] (fp32) of one request's `tokens` [T] at positions start..start+T-1.
+
+        With a cache, earlier positions come from it and these tokens' keys/values are stored in it
+        (its `length` becomes start+T). Without one, the tokens are the whole sequence: start must be 0.
+        Raises KVCacheFullError when the cache or the model's positions have no room.
+        """
+        if cache is None and start != 0:
+            raise ValueError("without a KV cache the tokens are the whole sequence: start must be 0")
+        if cache is not None:
+            cache.check_room(start, tokens.shape[0])
+        x = self.embed(tokens, torch.arange(start, start + tokens.shape[0], device=tokens.device))
+        for i in range(self.config.layers):
+            x = self.block(i, x, cache, start)
+        if cache is not None:
+            cache.length = start + tokens.shape[0]
+        return self.logits(x)
