@@ -13,7 +13,7 @@ from gpuos_core import OpCall, Runtime  # noqa: E402
 
 t0 = time.perf_counter()
 rt = Runtime("cuda")
-print(f"runtime up in {time.perf_counter() - t0:.2f} s: {rt.backend_reason}, arch {rt._arch}", flush=True)
+print(f"runtime up in {time.perf_counter() - t0:.2f} s: {rt.backend_reason}", flush=True)
 x = torch.randn(4096, device="cuda")
 y = torch.randn(4096, device="cuda")
 out = rt.run("mul", x, y, timeout=10)

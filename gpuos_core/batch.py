@@ -28,7 +28,7 @@ class Batch:
         self.records = records               # ABI records as submitted (TASK dtype), tiles included
         self.owners = owners                 # record index → index of the task it belongs to
         self._versions = versions            # operator version of each task, resolved at submit
-        self.status = np.zeros(len(tasks), dtype=np.int32)  # STATUS_* or a negative error code
+        self.status = np.full(len(tasks), STATUS_PENDING, dtype=np.int32)  # STATUS_* or < 0: error
         self.errors: dict[int, str] = {}     # task index → message, for failed tasks
         self._event = threading.Event()
         self._lock = threading.Lock()

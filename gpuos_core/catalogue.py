@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .calls import OpCall, Params, Prepared
-from .errors import TensorSpecError, UnknownOperatorError
+from .errors import TensorSpecError
 from .expr import Expr, parse
 from .families import Family, family
 
@@ -161,15 +161,6 @@ def _builtin() -> dict[str, OpSpec]:
 
 
 CATALOGUE: Mapping[str, OpSpec] = _builtin()
-
-
-def builtin(name: str) -> OpSpec:
-    """The catalogue's spec of `name`; UnknownOperatorError lists what exists."""
-    try:
-        return CATALOGUE[name]
-    except KeyError:
-        raise UnknownOperatorError(f"unknown operator {name!r}; the catalogue has: "
-                                   f"{', '.join(sorted(CATALOGUE))}") from None
 
 
 def prepare(spec: OpSpec, call: OpCall, device: torch.device) -> Prepared:
