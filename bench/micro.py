@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from gpuos_core import CudaConfig, OpCall, Runtime, RuntimeConfig
-from gpuos_core.runtime import encode_batch
+from gpuos_core.calls import Prepared
 
 faulthandler.dump_traceback_later(400, exit=True)
 DEV = torch.device("cuda")
@@ -96,7 +96,7 @@ def elementwise(rt: Runtime, sizes: list[int], n: int, reps: int, compile: bool 
         started = time.perf_counter()
         tasks = [rt.prepare(OpCall("mul", (ra[i], rb[i]), out=ro[i])) for i in range(n)]
         prepare_ms = 1e3 * (time.perf_counter() - started)
-        work = encode_batch(tasks)  # what a coalescer holds when it flushes
+        work = rt.encode(tasks)  # what a coalescer holds when it flushes
         out.fill_(float("nan"))
         runtime = times_ms(lambda: rt.submit(work).wait(60), reps)
         correct = bool(torch.equal(out, a * b))
@@ -141,12 +141,12 @@ def chain(rt: Runtime, n: int, size: int, reps: int) -> dict:
     steps = [("add", lambda i: (rx[i], ry[i])), ("mul", lambda i: (stages[0][i], ry[i])),
              ("relu", lambda i: (stages[1][i],)), ("sigmoid", lambda i: (stages[2][i],)),
              ("div", lambda i: (stages[3][i], ry[i]))]
-    batches = [encode_batch([rt.prepare(OpCall(op, args(i), out=stages[k][i])) for i in range(n)])
+    batches = [rt.encode([rt.prepare(OpCall(op, args(i), out=stages[k][i])) for i in range(n)])
                for k, (op, args) in enumerate(steps)]
     if "chain5" not in rt.table.names():
         rt.register("chain5", CHAIN)
     fused_out = torch.empty_like(x)
-    fused = encode_batch([rt.prepare(OpCall("chain5", (rx[i], ry[i]), out=fused_out[i]))
+    fused = rt.encode([rt.prepare(OpCall("chain5", (rx[i], ry[i]), out=fused_out[i]))
                           for i in range(n)])
 
     def unfused() -> None:
@@ -216,18 +216,52 @@ def attention(rt: Runtime, requests: list[int], heads: int, dim: int, reps: int)
 
 
 def roundtrip(rt: Runtime, counts: list[int], reps: int) -> list[dict]:
-    """(d) submit → complete for n tasks, against torch's own op + stream sync."""
+    """(d) submit → complete for n tasks, against torch's own op + stream sync; for one task also
+    the host's share: submit alone (the wait not timed)."""
     rows = []
     x = torch.randn(1024, device=DEV)
     for n in counts:
         tasks = [rt.prepare(OpCall("mul", (x, x))) for _ in range(n)]
         samples = [v * 1e3 for v in times_ms(lambda: rt.submit(tasks).wait(10), reps, warmup=20)]
         rows.append({"tasks": n, "p50_us": med(samples), "p99_us": p99(samples)})
+    rows[0]["submit_only_p50_us"] = med(submit_only_us(rt, rt.prepare(OpCall("mul", (x, x))), reps))
     torch_us = [v * 1e3 for v in times_ms(lambda: (torch.mul(x, x), sync()), reps, warmup=20)]
     rows.append({"tasks": 1, "baseline": "torch op + stream sync", "p50_us": med(torch_us),
                  "p99_us": p99(torch_us)})
     print(f"(d) roundtrip: {rows}", flush=True)
     return rows
+
+
+def submit_only_us(rt: Runtime, task: Prepared, reps: int) -> list[float]:
+    """Time of rt.submit([task]) alone, each batch waited for outside the timing."""
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        batch = rt.submit([task])
+        out.append(1e6 * (time.perf_counter() - start))
+        batch.wait(10)
+    return out
+
+
+def driver_call_us(reps: int = 2000) -> dict[str, float]:
+    """Host cost of each driver call a one-task submit makes (cuda.bindings), per call."""
+    from cuda.bindings import driver as cu
+    stream = cu.cuStreamCreate(1)[1]
+    dev = int(cu.cuMemAlloc(4096)[1])
+    host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    raw = torch._C._cuda_getCurrentRawStream
+    calls = {"cuStreamQuery": lambda: cu.cuStreamQuery(stream),
+             "cuMemcpyHtoDAsync_528B": lambda: cu.cuMemcpyHtoDAsync(dev, host.data_ptr(), 528, stream),
+             "cuStreamWriteValue64": lambda: cu.cuStreamWriteValue64(stream, dev, 1, 0),
+             "torch_current_raw_stream": lambda: raw(0),
+             "cuCtxGetCurrent": cu.cuCtxGetCurrent}
+    costs = {}
+    for name, call in calls.items():
+        costs[name] = 1e3 * med(times_ms(lambda: [call() for _ in range(100)], 20)) / 100
+    cu.cuStreamSynchronize(stream)
+    cu.cuMemFree(dev)
+    print(f"driver calls (us): {costs}", flush=True)
+    return costs
 
 
 def swap(rt: Runtime, rounds: int) -> dict:
@@ -297,6 +331,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--occupancy", action="store_true", help="also 2 and 4 blocks per SM")
     args = parser.parse_args()
     reps = 3 if args.quick else 7
     with Runtime("cuda") as rt:
@@ -307,7 +342,9 @@ def main() -> None:
         result["attention"] = attention(rt, [1, 8, 32, 64], 32, 128, reps)
         result["roundtrip"] = roundtrip(rt, [1, 8, 64], 300)
         result["swap"] = swap(rt, 5)
-    result["blocks_per_sm"] = occupancy(reps)
+        result["driver_call_us"] = driver_call_us()
+    if args.occupancy:
+        result["blocks_per_sm"] = occupancy(reps)
     mul = next(r for r in result["elementwise"] if r["size"] == 1024)
     one = result["roundtrip"][0]
     result["summary"] = {
@@ -315,6 +352,7 @@ def main() -> None:
         "graph_over_runtime": mul["graph_ms"] / mul["runtime_ms"],
         "runtime_over_floor": mul["runtime_ms"] / mul["floor_ms"],
         "roundtrip1_p50_us": one["p50_us"], "roundtrip1_p99_us": one["p99_us"],
+        "submit1_p50_us": one["submit_only_p50_us"],
         "swap_pause_ms": result["swap"]["pause_ms"], "rollback_us": result["swap"]["rollback_us"]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "micro.json").write_text(json.dumps(result, indent=1))

@@ -2,8 +2,8 @@
  *
  * One block per SM (the host picks the grid) polls the device-memory queue: it claims the next
  * published record by compare-and-swap on `head` (so a ticket is only ever taken for a record
- * that exists: nothing is claimed and then abandoned), copies the descriptor into shared memory,
- * runs the record's operator through the image's jump table with all its threads, and writes
+ * that exists: nothing is claimed and then abandoned), copies the claimed descriptors into shared
+ * memory, runs each record's operator through the image's jump table with all its threads, and writes
  * completion to mapped host memory. A block exits when the queue has been empty for `idle_ns`,
  * when the host sets `stop` and the queue is empty, or after `lease_ns` in total; the host
  * relaunches the worker when records are pending, so any implicit device sync waits at most one
@@ -56,17 +56,25 @@ __device__ int gpuos_claim(GpuosQueue* q, unsigned long long started, unsigned l
   }
 }
 
-/* Runs one record with all threads of the block: copy its descriptor into shared memory (the
- * operator reads it many times), call its operator. Returns whether its op_slot was valid. */
-__device__ bool gpuos_run(const GpuosTask* record, GpuosTask* task) {
-  const unsigned int* src = reinterpret_cast<const unsigned int*>(record);
-  unsigned int* dst = reinterpret_cast<unsigned int*>(task);
-  for (unsigned int i = threadIdx.x; i < sizeof(GpuosTask) / 4; i += blockDim.x) dst[i] = gpuos_ld_u32(src + i);
+/* Copies the descriptors of records first..first+n-1 into shared memory with all threads of the
+ * block: one round of loads in flight for all of them, instead of one load latency per record
+ * (the operator then reads its descriptor many times, from shared memory). */
+__device__ void gpuos_fetch(const GpuosTask* ring, unsigned long long mask, long long first, int n,
+                            GpuosTask* tasks) {
+  const unsigned int words = sizeof(GpuosTask) / 4;
+  for (unsigned int i = threadIdx.x; i < n * words; i += blockDim.x) {
+    const unsigned int* src = reinterpret_cast<const unsigned int*>(ring + ((first + i / words) & mask));
+    reinterpret_cast<unsigned int*>(tasks + i / words)[i % words] = gpuos_ld_u32(src + i % words);
+  }
   __syncthreads();
+}
+
+/* Runs one fetched record with all threads of the block. Returns whether its op_slot was valid. */
+__device__ bool gpuos_run(const GpuosTask* task) {
   const int slot = task->op_slot;
   const bool valid = slot >= 0 && slot < gpuos_jump_table_size;
   if (valid) gpuos_jump_table[slot](task);
-  __syncthreads(); /* every thread is done with `task` before the next copy overwrites it */
+  __syncthreads(); /* operators reuse static shared memory: the next one starts after this one */
   return valid;
 }
 
@@ -76,7 +84,7 @@ __device__ bool gpuos_run(const GpuosTask* record, GpuosTask* task) {
 extern "C" __global__ void gpuos_worker(GpuosQueue* q, const GpuosTask* ring, unsigned long long mask,
                                         volatile long long* done, unsigned long long idle_ns,
                                         unsigned long long lease_ns) {
-  __shared__ GpuosTask task;
+  __shared__ GpuosTask tasks[GPUOS_MAX_CLAIM];
   __shared__ long long first;
   __shared__ int count;
   const unsigned long long started = gpuos_now_ns();
@@ -87,8 +95,9 @@ extern "C" __global__ void gpuos_worker(GpuosQueue* q, const GpuosTask* ring, un
     const int n = count;
     const long long t0 = first;
     if (n == 0) return;
+    gpuos_fetch(ring, mask, t0, n, tasks);
     unsigned int invalid = 0; /* bit k: record t0 + k had a bad slot (thread 0's copy is used) */
-    for (int k = 0; k < n; ++k) invalid |= gpuos_run(ring + ((t0 + k) & mask), &task) ? 0u : 1u << k;
+    for (int k = 0; k < n; ++k) invalid |= gpuos_run(tasks + k) ? 0u : 1u << k;
     if (threadIdx.x == 0) {
       __threadfence_system(); /* outputs visible before the completions that announce them */
       for (int k = 0; k < n; ++k) {
@@ -97,7 +106,7 @@ extern "C" __global__ void gpuos_worker(GpuosQueue* q, const GpuosTask* ring, un
       }
       idle_since = gpuos_now_ns();
     }
-    __syncthreads(); /* `count` and `first` are rewritten only after everyone read them */
+    __syncthreads(); /* `count`, `first` and `tasks` are rewritten only after everyone read them */
   }
 }
 /* Stream-ordered 64-bit store, for devices without cuStreamWriteValue64: `*p = v` with release

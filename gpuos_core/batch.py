@@ -23,14 +23,19 @@ class Batch:
     """
 
     def __init__(self, tasks: Sequence[Prepared], records: np.ndarray, owners: np.ndarray,
-                 versions: np.ndarray | Sequence[int]) -> None:
+                 versions: np.ndarray | Sequence[int], pinned: bool = False) -> None:
         self.tasks = tuple(tasks)            # validated tasks, with their outputs
         self.records = records               # ABI records as submitted (TASK dtype), tiles included
         self.owners = owners                 # record index → index of the task it belongs to
         self._versions = versions            # operator version of each task, resolved at submit
-        self.status = np.full(len(tasks), STATUS_PENDING, dtype=np.int32)  # STATUS_* or < 0: error
+        self.pinned = pinned                 # records are in Backend.host_records memory
+        self.status = np.zeros(len(tasks), dtype=np.int32)  # STATUS_PENDING (0), _DONE, < 0: error
         self.errors: dict[int, str] = {}     # task index → message, for failed tasks
-        self._event = threading.Event()
+        # Completion latch: held from creation until complete(). A Lock, not an Event, because
+        # creating an Event costs microseconds of the one-task round trip.
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._complete = False
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._callbacks: list[Callable[[Batch], object]] = []
@@ -51,16 +56,19 @@ class Batch:
         return len(self.tasks)
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._complete
 
     def wait(self, timeout: float | None = None) -> "Batch":
         """Block until every task completed; WaitTimeoutError after `timeout` seconds."""
         if self._poll is not None:
             deadline = time.perf_counter() + min(self._spin_s, timeout if timeout else self._spin_s)
-            while not self._event.is_set() and time.perf_counter() < deadline:
+            while not self._complete and time.perf_counter() < deadline:
                 self._poll()
-        if not self._event.wait(timeout):
-            raise WaitTimeoutError(f"batch of {len(self)} task(s) not complete after {timeout} s")
+        if not self._complete:
+            if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
+                raise WaitTimeoutError(f"batch of {len(self)} task(s) not complete after "
+                                       f"{timeout} s")
+            self._latch.release()  # pass the latch on to the next waiter
         return self
 
     def __await__(self) -> Generator[None, None, "Batch"]:
@@ -69,7 +77,7 @@ class Batch:
 
     async def _wait_async(self) -> "Batch":
         with self._lock:
-            if self._event.is_set():
+            if self._complete:
                 return self
             loop = asyncio.get_running_loop()
             future: asyncio.Future[None] = loop.create_future()
@@ -91,7 +99,7 @@ class Batch:
     def add_done_callback(self, fn: Callable[["Batch"], object]) -> None:
         """Call `fn(batch)` on completion (from the completing thread), or now if complete."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._complete:
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -100,13 +108,14 @@ class Batch:
         """Called by the backend once every record ran: `errors` maps failed *record* indices to
         messages; a task fails when any of its records did. Later calls are ignored."""
         with self._lock:
-            if self._event.is_set():
+            if self._complete:
                 return
             self.status[:] = STATUS_DONE
             for r, message in (errors or {}).items():
                 task = int(self.owners[r])
                 self.status[task], self.errors[task] = -1, message
-            self._event.set()
+            self._complete = True
+            self._latch.release()
             waiters, self._waiters = self._waiters, []
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .runtime import TaskList
 
 
 @dataclass(frozen=True)
@@ -40,3 +44,4 @@ class Prepared:
     params: Params                            # scalars and reduced dims
     items: int                                # work items (elements or rows) the task covers
     records: np.ndarray | None = None         # its ABI records (one per tile), op_slot unresolved
+    encoded: Optional["TaskList"] = None      # it alone as a TaskList, made by its first submit

@@ -21,8 +21,10 @@ class CudaConfig:
     stall_timeout_s: float = 10.0   # pending records and no completion this long: stalled
     publish_chunk: int = 1024       # records staged, copied and published at a time
     spin_s: float = 0.0005          # a waiting thread polls completions itself this long
-    poll_sleep_s: float = 2e-4      # the poller thread's pause when nothing completed (a thread
-                                    # waiting on a batch polls itself; this bounds async waits)
+    poll_sleep_s: float = 2e-4      # the poller thread's pause between polls (a thread waiting
+                                    # on a batch polls itself; this bounds async waits)
+    poller_linger_s: float = 0.01   # the poller keeps polling this long after work ran out before
+                                    # it parks (waking a parked poller costs a submit the GIL)
 
 
 @dataclass(frozen=True)

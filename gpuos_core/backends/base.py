@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
+from ..abi import TASK
 from ..batch import Batch
 from ..optable import Image
 
@@ -12,12 +14,17 @@ from ..optable import Image
 class Backend(ABC):
     """Executes batches of encoded tasks against the image it has loaded."""
 
-    name: str                  # "cpu" or "cuda"
-    device: torch.device       # where task tensors must live
-    needs_image_binary = False  # True: load() needs the linked cubin (see Runtime)
-    arch: str | None = None         # the NVRTC target this backend's device needs (None: any)
-    tile_elements: int | None = None
-    broken: str | None = None       # set when the backend refuses all further work, and why  # split tasks into records of about this much work (None: don't)
+    name: str                         # "cpu" or "cuda"
+    device: torch.device              # where task tensors must live
+    needs_image_binary = False        # True: load() needs the linked cubin (see Runtime)
+    arch: str | None = None           # the NVRTC target this backend's device needs (None: any)
+    tile_elements: int | None = None  # split tasks into records of about this much work
+    broken: str | None = None         # set when the backend refuses all further work, and why
+
+    def host_records(self, n: int) -> np.ndarray:
+        """Room for n TASK records where `launch` reads them best (page-locked on CUDA, so a
+        batch's records are copied to the device without staging)."""
+        return np.empty(n, dtype=TASK)
 
     @abstractmethod
     def load(self, image: Image, binary: bytes | None) -> None:

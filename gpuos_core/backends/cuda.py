@@ -80,6 +80,7 @@ class CudaBackend(Backend):
             (lambda: raw(device_index)) if raw is not None
             else (lambda: torch.cuda.current_stream(self.device).cuda_stream))
         torch.empty(1, device=self.device)  # torch creates (and owns) the primary context first
+        self._threads = threading.local()  # which threads have our context current
         self._open_context(device_index)
         self._allocate()
         self._lock = threading.Lock()
@@ -92,6 +93,7 @@ class CudaBackend(Backend):
         self.broken: str | None = None  # why the backend refuses work, once stalled
         self.launches = 0  # worker launches so far (each lease is one)
         self._closed = False
+        self._parked = False  # the poller blocks on _wake (see _park_when_idle)
         self._poller = threading.Thread(target=self._poll_loop, name="gpuos-cuda-poller",
                                         daemon=True)
         self._poller.start()
@@ -120,7 +122,11 @@ class CudaBackend(Backend):
         return int(check(cu.cuDeviceGetAttribute(attribute, self._dev), name))
 
     def _use_context(self) -> None:
-        check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        """Make our context current in the calling thread (once per thread: it stays current,
+        and setting it costs a microsecond of every submit)."""
+        if getattr(self._threads, "ctx", None) is not self._ctx:
+            check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+            self._threads.ctx = self._ctx
 
     def _allocate(self) -> None:
         ring_bytes = self.config.capacity * TASK.itemsize
@@ -145,6 +151,12 @@ class CudaBackend(Backend):
         return True
 
     # -- Backend -------------------------------------------------------------------------------
+    def host_records(self, n: int) -> np.ndarray:
+        """Page-locked records from torch's caching host allocator. A Batch keeps its records
+        alive until it completes, by which time the worker has read them (the copy is done)."""
+        block = torch.empty(n * TASK.itemsize, dtype=torch.uint8, pin_memory=True)
+        return block.numpy().view(TASK)  # the array's base keeps `block` alive
+
     def load(self, image: Image, binary: bytes | None) -> None:
         """Quiesced by the runtime: stop the worker, load the new image, keep the previous one."""
         assert binary is not None, "the CUDA backend loads linked images"
@@ -174,13 +186,13 @@ class CudaBackend(Backend):
             first = self._tail
             tickets = np.arange(first, first + n, dtype=np.int64)
             self._after_producer()
-            self._publish(batch.records.view(RAW_TASK))
-            idle = not self._pending
+            self._publish(batch.records.view(RAW_TASK), batch.pinned)
+            if not self._pending:  # stall detection counts from the first pending batch
+                self._last_progress = time.monotonic()
             self._pending.append(_Pending(batch, first, tickets & (self.config.capacity - 1),
                                           tickets + 1))
             self._ensure_worker()
-            if idle:  # the poller sleeps on _wake only while nothing is pending
-                self._last_progress = time.monotonic()
+            if self._parked:
                 self._wake.notify_all()
         batch.set_poller(self.poll, self.config.spin_s)
 
@@ -213,21 +225,32 @@ class CudaBackend(Backend):
         check(cu.cuEventRecord(self._inputs_ready, producer), "cuEventRecord(inputs)")
         check(cu.cuStreamWaitEvent(self._copy_stream, self._inputs_ready, 0), "cuStreamWaitEvent")
 
-    def _publish(self, records: np.ndarray) -> None:
-        """Stage, copy and publish records in chunks, so the worker starts on the first chunk while
-        later ones are still being staged and copied. Lock held; space already reserved."""
-        cap, size = self.config.capacity, TASK.itemsize
-        for begin in range(0, len(records), self.config.publish_chunk):
-            part = records[begin:begin + self.config.publish_chunk]
+    def _publish(self, records: np.ndarray, pinned: bool) -> None:
+        """Copy and publish records in chunks, so the worker starts on the first chunk while later
+        ones are still being copied. Pinned records (from host_records) are copied as they lie;
+        others are staged first. Lock held; space already reserved."""
+        cap, chunk = self.config.capacity, self.config.publish_chunk
+        for begin in range(0, len(records), chunk):
+            part = records[begin:begin + chunk]
             slot = self._tail & (cap - 1)
             split = min(len(part), cap - slot)
             for at, piece in ((slot, part[:split]), (0, part[split:])):
                 if len(piece):
-                    self._stage_raw[at:at + len(piece)] = piece
-                    check(cu.cuMemcpyHtoDAsync(self._ring + at * size, self._staging.host + at * size,
-                                               len(piece) * size, self._copy_stream), "copy to ring")
+                    self._copy_to_ring(at, piece, pinned)
             self._tail += len(part)
             self._write_u64(self._queue + QUEUE.fields["tail"][1], self._tail)
+
+    def _copy_to_ring(self, at: int, piece: np.ndarray, pinned: bool) -> None:
+        """Async copy of contiguous records to ring slots at.., from where they lie when pinned,
+        else through the staging buffer (a pageable source would make the copy synchronous)."""
+        size = TASK.itemsize
+        if pinned:
+            source = piece.ctypes.data
+        else:
+            self._stage_raw[at:at + len(piece)] = piece
+            source = self._staging.host + at * size
+        check(cu.cuMemcpyHtoDAsync(self._ring + at * size, source, len(piece) * size,
+                                   self._copy_stream), "copy to ring")
 
     def _write_u64(self, address: int, value: int) -> None:
         """Stream-ordered store into device memory, after everything queued on the copy stream."""
@@ -287,16 +310,27 @@ class CudaBackend(Backend):
         return bool(finished)
 
     def _poll_loop(self) -> None:
+        """Reap completions nobody spins on and run the watchdog. It sleeps before each poll, so a
+        thread spinning in Batch.wait reaps its own batch without contending for the GIL, and
+        parks only after lingering idle, so a stream of submits need not wake it each time."""
         self._use_context()
-        while True:
-            with self._lock:
+        busy_at = time.monotonic()
+        while self._park_when_idle(busy_at):
+            time.sleep(self.config.poll_sleep_s)
+            if self._pending:  # an unlocked peek: a miss only delays to the next round
+                busy_at = time.monotonic()
+                if not self.poll():
+                    self._watchdog()
+
+    def _park_when_idle(self, busy_at: float) -> bool:
+        """Block while nothing is pending, once idle for poller_linger_s; False when closed."""
+        with self._lock:
+            if not self._pending and time.monotonic() - busy_at > self.config.poller_linger_s:
+                self._parked = True
                 while not self._pending and not self._closed:
                     self._wake.wait(0.1)
-                if self._closed:
-                    return
-            if not self.poll():
-                self._watchdog()
-                time.sleep(self.config.poll_sleep_s)
+                self._parked = False
+            return not self._closed
 
     def _watchdog(self) -> None:
         """Relaunch an exited worker while records are pending; fail everything when the worker
