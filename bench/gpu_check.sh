@@ -2,7 +2,7 @@
 # One call on a CUDA machine: GPU tests, then the benchmarks; JSON and logs go to $OUT (or
 # bench/results/ when $OUT is unset). Runs with the machine's python3 and whatever it has; every
 # step has a timeout because a wedged worker can hang a process (DESIGN.md, protocol 5).
-#   bash bench/gpu_check.sh [quick]     quick: smoke + GPU tests only
+#   bash bench/gpu_check.sh [quick|bench]   quick: smoke + GPU tests only; bench: benchmarks only
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-bench/results}"
@@ -20,15 +20,18 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, remember fa
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 step build 300 python3 -m gpuos_core.build
-step smoke 120 python3 bench/gpu_smoke.py
-step gpu-tests 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider -o faulthandler_timeout=100 tests/gpu tests/unit/test_catalogue.py tests/unit/test_runtime.py tests/unit/test_scheduler.py
-if [[ "${1:-}" != quick ]]; then
+mode="${1:-all}"
+if [[ "$mode" != bench ]]; then
+    step smoke 120 python3 bench/gpu_smoke.py
+    step gpu-tests 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider -o faulthandler_timeout=100 tests/gpu tests/unit/test_catalogue.py tests/unit/test_runtime.py tests/unit/test_scheduler.py
+fi
+if [[ "$mode" != quick ]]; then
     step micro 420 python3 bench/micro.py --out "$OUT"
     step sched 300 python3 bench/sched.py --out "$OUT"
 fi
 # The serving load test needs Ray Serve, FastAPI and Locust, which the GPU host lacks: carry the
 # bundle that ../shared/tools/offline_site.sh builds (.devbundle/site.tar.xz) to run it.
-if [[ -f .devbundle/site.tar.xz && "${1:-}" != quick ]]; then
+if [[ -f .devbundle/site.tar.xz && "$mode" != quick ]]; then
     mkdir -p /tmp/site && tar -C /tmp/site -xJf .devbundle/site.tar.xz
     export PYTHONPATH="/tmp/site:$PYTHONPATH" PATH="/tmp/site/bin:$PATH"
     step loadtest 300 python3 -m loadtest.run micro --users 64 --duration 30 --out "$OUT/loadtest"

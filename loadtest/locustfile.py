@@ -5,23 +5,36 @@
     StormUser    calls the storm operator and checks each answer against the version it reports
     StormAdmin   (exactly one) swaps the storm operator every second; every fourth change is a
                  rollback
+    CompletionUser  OpenAI completions of the served model (GET /v1/models), a --stream-fraction
+                 of them streamed, checked by loadtest.completions; streams' time to first token
+                 is its own entry
 
 Run through loadtest/run.py, or by hand:
     locust -f loadtest/locustfile.py --headless -u 32 -r 32 -t 30s --host http://127.0.0.1:8000 \
         MicroOpUser
 Run from the repository root (Locust puts the working directory on sys.path: loadtest.storm).
 Environment: GPUOS_ADMIN_TOKEN (StormAdmin, and StormUser's look-ups of version history),
-GPUOS_STORM_OP (the storm operator's name, default storm_affine).
+GPUOS_STORM_OP (the storm operator's name, default storm_affine), GPUOS_LOAD_MODEL (CompletionUser's
+model when GET /v1/models fails; unset, that failure stops the run). CompletionUser's options:
+--max-tokens (16), --stream-fraction (0.5), --tokens-out (a JSON file for the token counts).
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
-from locust import FastHttpUser, between, constant, events, task
+from locust import FastHttpUser, HttpUser, between, constant, events, task
+from locust.exception import StopUser
+from requests import RequestException  # after locust, which must patch ssl first
 
+from loadtest.completions import (COMPLETION, PROMPTS, STREAM, TTFT, CompletionStream, Generated,
+                                  completion_problem, completion_request, model_id)
 from loadtest.storm import (EXPRESSIONS, STORM_OP, admin_headers, affine_versions,
                             ensure_registered)
 
@@ -33,6 +46,7 @@ ARITY = {"add": 2, "mul": 2, "sigmoid": 1, "tanh": 1}
 RTOL, ATOL = 1e-4, 1e-5
 LOOKUPS = 5  # history look-ups before an unknown version counts as a failure
 VERSIONS: dict[int, tuple[float, float]] = {}  # storm operator version → (scale, shift)
+GENERATED = Generated()  # CompletionUser's tokens in checked answers, this process
 rng = np.random.default_rng()
 
 
@@ -44,6 +58,15 @@ def tensor(x: np.ndarray) -> dict[str, Any]:
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def status_problem(response: Any) -> str | None:
+    """None for a 200; else "HTTP <status>: " and the start of the body (or the connection error,
+    status 0)."""
+    if response.status_code == 200:
+        return None
+    detail = response.text or getattr(response, "error", "")
+    return f"HTTP {response.status_code}: {str(detail)[:200]}"
 
 
 def mismatch(body: dict[str, Any], want: np.ndarray) -> str | None:
@@ -68,8 +91,8 @@ class CheckedUser(FastHttpUser):
         payload = {"inputs": [tensor(x) for x in inputs]}
         with self.client.post(f"/v1/ops/{op}", json=payload, name=name or f"/v1/ops/{op}",
                               catch_response=True) as response:
-            if response.status_code != 200:
-                response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+            if problem := status_problem(response):
+                response.failure(problem)
                 return
             body = response.json()
             problem = check(body) if body.get("op") == op else f"answered for {body.get('op')}"
@@ -116,8 +139,8 @@ class StormUser(CheckedUser):
     def learn_versions(self) -> None:
         with self.client.get(f"/admin/ops/{STORM_OP}", headers=admin_headers(),
                              name="/admin/ops/[storm]", catch_response=True) as response:
-            if response.status_code != 200:
-                response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+            if problem := status_problem(response):
+                response.failure(problem)
                 return
             VERSIONS.update(affine_versions(response.json()["history"]))
 
@@ -141,8 +164,8 @@ class StormAdmin(FastHttpUser):
             path, payload = f"/admin/ops/{STORM_OP}/swap", {"expression": expression}
         with self.client.post(path, json=payload, headers=admin_headers(), catch_response=True,
                               name=path.replace(STORM_OP, "[storm]")) as response:
-            if response.status_code != 200:
-                response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+            if problem := status_problem(response):
+                response.failure(problem)
                 return
             body = response.json()
             VERSIONS.update(affine_versions(body["op"]["history"]))
@@ -150,6 +173,110 @@ class StormAdmin(FastHttpUser):
                      if r["versions"].get(STORM_OP) != body["version"]]
             if stale or body["unreachable"]:
                 response.failure(f"v{body['version']} not applied on {stale + body['unreachable']}")
+
+
+class CompletionUser(HttpUser):
+    """OpenAI completions of the model GET /v1/models names: prompts from PROMPTS, half of them
+    greedy, a --stream-fraction streamed. An HttpUser (requests), not a FastHttpUser:
+    geventhttpclient reads a stream in whole buffers, which would hold the first token back."""
+
+    wait_time = constant(0)  # closed loop: each user has one request in flight
+
+    def on_start(self) -> None:
+        options = self.environment.parsed_options
+        self.max_tokens: int = options.max_tokens
+        self.stream_fraction: float = options.stream_fraction
+        self.model = GENERATED.model = self.find_model()
+
+    def find_model(self) -> str:
+        """The first model of GET /v1/models. If that fails (a failed request in the stats):
+        $GPUOS_LOAD_MODEL, and without it the whole run stops, saying why."""
+        with self.client.get("/v1/models", catch_response=True) as response:
+            problem = status_problem(response)
+            if not problem:
+                try:
+                    return model_id(response.json())
+                except ValueError as error:  # not JSON, or no model in it
+                    problem = str(error)
+            response.failure(f"GET /v1/models: {problem}")
+        if os.environ.get("GPUOS_LOAD_MODEL"):
+            logging.warning("GET /v1/models failed (%s); using $GPUOS_LOAD_MODEL", problem)
+            return os.environ["GPUOS_LOAD_MODEL"]
+        logging.error("GET /v1/models failed (%s): is the OpenAI API deployed? $GPUOS_LOAD_MODEL "
+                      "names a model to use anyway. Stopping the run.", problem)
+        self.environment.runner.quit()
+        raise StopUser()
+
+    @task
+    def complete(self) -> None:
+        stream = bool(rng.random() < self.stream_fraction)
+        body = completion_request(self.model, str(rng.choice(PROMPTS)), self.max_tokens, stream,
+                                  greedy=bool(rng.random() < 0.5), seed=int(rng.integers(2**31)))
+        if stream:
+            self.post_stream(body)
+        else:
+            self.post(body)
+
+    def post(self, body: dict[str, Any]) -> None:
+        """A non-streaming completion, checked; its tokens counted when it passes."""
+        with self.client.post("/v1/completions", json=body, name=COMPLETION,
+                              catch_response=True) as response:
+            problem = status_problem(response)
+            if not problem:
+                try:
+                    answer = response.json()
+                    problem = completion_problem(answer, self.model, self.max_tokens)
+                except ValueError:
+                    problem = f"not JSON: {response.text[:200]}"
+            if problem:
+                response.failure(problem)
+                return
+        GENERATED.completion_tokens += answer["usage"]["completion_tokens"]
+
+    def post_stream(self, body: dict[str, Any]) -> None:
+        """A streamed completion, checked line by line. Its entry times the whole stream; when it
+        passes, its time to the first chunk with text is reported as TTFT and its tokens counted."""
+        check, first = CompletionStream(self.model, self.max_tokens), None
+        start = time.perf_counter()
+        with self.client.post("/v1/completions", json=body, name=STREAM, stream=True,
+                              catch_response=True) as response:
+            problem = status_problem(response)
+            content_type = response.headers.get("content-type", "")
+            if not problem and not content_type.startswith("text/event-stream"):
+                problem = f"content-type {content_type!r}: {response.text[:200]}"
+            try:
+                for line in () if problem else response.iter_lines():
+                    if check.feed(line.decode("utf-8", errors="replace")) and first is None:
+                        first = time.perf_counter()
+            except RequestException as error:  # a failure, not an unreported task error
+                problem = f"stream broken after {check.tokens} tokens: {error}"
+            response.request_meta["response_time"] = (time.perf_counter() - start) * 1000
+            problem = problem or check.verdict()
+            if problem:
+                response.failure(problem)
+                return
+        GENERATED.stream_tokens += check.tokens
+        if first is not None:
+            events.request.fire(request_type="POST", name=TTFT, response_length=0, exception=None,
+                                response_time=(first - start) * 1000, context={})
+
+
+@events.init_command_line_parser.add_listener
+def completion_options(parser: Any) -> None:
+    """CompletionUser's options (`locust --help` lists them)."""
+    parser.add_argument("--max-tokens", type=int, default=16, help="CompletionUser's max_tokens")
+    parser.add_argument("--stream-fraction", type=float, default=0.5,
+                        help="the fraction of CompletionUser's requests that stream")
+    parser.add_argument("--tokens-out", default="",
+                        help="where CompletionUser writes its token counts (JSON) at test stop")
+
+
+@events.test_stop.add_listener
+def write_tokens(environment: Any, **_: Any) -> None:
+    """GENERATED into --tokens-out, when given (one test per Locust process, as run.py runs it)."""
+    if environment.parsed_options and environment.parsed_options.tokens_out:
+        with open(environment.parsed_options.tokens_out, "w") as sink:
+            json.dump(asdict(GENERATED), sink)
 
 
 @events.test_start.add_listener

@@ -2,14 +2,16 @@
 
     python -m loadtest.run micro --users 32 --duration 30            # coalescing on, then off
     python -m loadtest.run swap-storm --users 16 --duration 30
+    python -m loadtest.run completions --users 16 --duration 60 --stream-fraction 0.5
     python -m loadtest.run micro --url http://127.0.0.1:8000 --admin-token "$GPUOS_ADMIN_TOKEN"
 
 Without --url it starts the app itself (`serve run` of --config on a free port, a fresh operator
 registry, a random admin token) and stops it afterwards. After --warmup seconds of unrecorded
 load, for each coalescing mode it sets the knob on every replica (PUT /admin/coalescer), runs
 Locust headless and writes into --out: <scenario>-<mode>_stats.csv (and Locust's other CSVs and
-its final JSON), <scenario>-<mode>.json (RPS, p50/p95/p99, failures, mean coalesced batch size
-from /v1/stats), summary.json (all modes, with on/off ratios) and <scenario>.png (latency
+its final JSON), <scenario>-<mode>.json (RPS, p50/p95/p99 and failures, in all and per request
+name, mean coalesced batch size from /v1/stats; for completions also time to first token and
+generated tokens/s), summary.json (all modes, with on/off ratios) and <scenario>.png (latency
 percentiles and RPS over time; needs matplotlib, the `load` extra). Exits 1 when any request
 failed.
 """
@@ -32,13 +34,16 @@ from pathlib import Path
 
 import requests
 
+from loadtest.completions import COMPLETION, MEASURES, STREAM, TTFT, Generated
 from loadtest.launch import REPO, free_port, start_serve, write_config
 from loadtest.storm import ensure_registered
 
 SCENARIOS = {  # scenario → Locust user classes
     "micro": ("MicroOpUser",),
     "swap-storm": ("MicroOpUser", "StormUser", "StormAdmin"),
+    "completions": ("CompletionUser",),
 }
+PLOTTED = {"completions": (COMPLETION, STREAM, TTFT)}  # Locust rows plotted (default Aggregated)
 LOCUSTFILE = REPO / "loadtest" / "locustfile.py"
 
 
@@ -51,6 +56,31 @@ class Target:
 
 
 @dataclass(frozen=True)
+class RequestStats:
+    """Requests of one Locust entry (or several, merged) during a run."""
+
+    requests: int
+    failures: int
+    rps: float                 # over the whole run's span
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    """What a completions run generated, from the answers that passed their checks."""
+
+    model: str
+    max_tokens: int
+    stream_fraction: float
+    tokens: int                # usage.completion_tokens of answers, text chunks of streams
+    tokens_per_s: float
+    ttft_p50_ms: float         # streams' time to the first chunk with text
+    ttft_p99_ms: float
+
+
+@dataclass(frozen=True)
 class RunSummary:
     """One Locust run (one scenario, one coalescing mode)."""
 
@@ -58,7 +88,7 @@ class RunSummary:
     coalescing: str            # "on" or "off"
     users: int
     duration_s: float
-    requests: int
+    requests: int              # all requests; not the entries in MEASURES (parts of requests)
     failures: int
     rps: float
     p50_ms: float
@@ -66,6 +96,8 @@ class RunSummary:
     p99_ms: float
     mean_batch_size: float     # tasks per runtime submission during the run, all replicas
     submissions: int           # runtime submissions during the run
+    per_request: dict[str, RequestStats]  # Locust entry name → its requests
+    generation: GenerationSummary | None  # completions only
     csv_prefix: str
 
 
@@ -83,6 +115,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=REPO / "deployments" / "llm.yaml",
                         help="Serve config to start when no --url is given")
     parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--max-tokens", type=int, default=16, help="completions: max_tokens")
+    parser.add_argument("--stream-fraction", type=float, default=0.5,
+                        help="completions: the fraction of requests that stream")
     parser.add_argument("--out", type=Path, help="report folder (default loadtest/results/...)")
     return parser.parse_args(argv)
 
@@ -162,29 +197,65 @@ def run_locust(target: Target, args: argparse.Namespace, prefix: Path, seconds: 
                "--host", target.url, "--csv", str(prefix), "--csv-full-history",
                "--json-file", str(prefix) + "_locust",
                "--only-summary", "--exit-code-on-error", "0", "--loglevel", "WARNING",
-               *SCENARIOS[args.scenario]]
+               *completion_options(args, prefix), *SCENARIOS[args.scenario]]
     env = {**os.environ, "GPUOS_ADMIN_TOKEN": target.admin_token}
     subprocess.run(command, check=True, env=env, cwd=REPO)
+
+
+def completion_options(args: argparse.Namespace, prefix: Path) -> list[str]:
+    """The locustfile's CompletionUser options, for scenarios that have it."""
+    if "CompletionUser" not in SCENARIOS[args.scenario]:
+        return []
+    return ["--max-tokens", str(args.max_tokens), "--stream-fraction", str(args.stream_fraction),
+            "--tokens-out", str(tokens_file(prefix))]
+
+
+def tokens_file(prefix: Path) -> Path:
+    """Where CompletionUser's token counts go (named like Locust's JSON, which stays local)."""
+    return Path(f"{prefix}_tokens_locust.json")
 
 
 def summarize(args: argparse.Namespace, mode: str, prefix: Path, before: dict[str, float],
               after: dict[str, float]) -> RunSummary:
     """The run's totals from Locust's final JSON (its stats CSV is written periodically and can
-    miss the last second) and the coalescer's counters before and after."""
+    miss the last second), the coalescer's counters before and after, and for completions the
+    locustfile's token counts."""
     entries = json.loads(Path(f"{prefix}_locust.json").read_text())
-    requests_ = sum(e["num_requests"] for e in entries)
     span = (max(e["last_request_timestamp"] for e in entries)
             - min(e["start_time"] for e in entries)) if entries else 0.0
-    times = merged_response_times(entries)
+    total = request_stats([e for e in entries if e["name"] not in MEASURES], span)
+    per_request = {name: request_stats([e for e in entries if e["name"] == name], span)
+                   for name in sorted({e["name"] for e in entries})}
+    generation = (generation_summary(args, prefix, per_request.get(TTFT), span)
+                  if "CompletionUser" in SCENARIOS[args.scenario] else None)
     submissions = int(after["batches"] - before["batches"])
     tasks = after["tasks"] - before["tasks"]
     return RunSummary(
         scenario=args.scenario, coalescing=mode, users=args.users, duration_s=args.duration,
-        requests=requests_, failures=sum(e["num_failures"] for e in entries),
-        rps=requests_ / span if span else 0.0, p50_ms=percentile(times, 0.50),
-        p95_ms=percentile(times, 0.95), p99_ms=percentile(times, 0.99),
-        mean_batch_size=tasks / submissions if submissions else 0.0,
-        submissions=submissions, csv_prefix=str(prefix))
+        requests=total.requests, failures=total.failures, rps=total.rps, p50_ms=total.p50_ms,
+        p95_ms=total.p95_ms, p99_ms=total.p99_ms,
+        mean_batch_size=tasks / submissions if submissions else 0.0, submissions=submissions,
+        per_request=per_request, generation=generation, csv_prefix=str(prefix))
+
+
+def request_stats(entries: Sequence[dict], span: float) -> RequestStats:
+    """Counts and percentiles of Locust's final JSON `entries`, merged; RPS over `span` seconds."""
+    count = sum(e["num_requests"] for e in entries)
+    times = merged_response_times(entries)
+    return RequestStats(requests=count, failures=sum(e["num_failures"] for e in entries),
+                        rps=count / span if span else 0.0, p50_ms=percentile(times, 0.50),
+                        p95_ms=percentile(times, 0.95), p99_ms=percentile(times, 0.99))
+
+
+def generation_summary(args: argparse.Namespace, prefix: Path, ttft: RequestStats | None,
+                       span: float) -> GenerationSummary:
+    """Tokens/s over `span` from the locustfile's counts; TTFT percentiles of its entry (zeros
+    when no stream passed)."""
+    generated = Generated(**json.loads(tokens_file(prefix).read_text()))
+    return GenerationSummary(
+        model=generated.model, max_tokens=args.max_tokens, stream_fraction=args.stream_fraction,
+        tokens=generated.tokens, tokens_per_s=generated.tokens / span if span else 0.0,
+        ttft_p50_ms=ttft.p50_ms if ttft else 0.0, ttft_p99_ms=ttft.p99_ms if ttft else 0.0)
 
 
 def merged_response_times(entries: Sequence[dict]) -> dict[float, int]:
@@ -212,8 +283,12 @@ def ratios(runs: Sequence[RunSummary]) -> dict[str, float]:
     if {"on", "off"} - set(by_mode):
         return {}
     on, off = by_mode["on"], by_mode["off"]
-    return {"rps_on_over_off": on.rps / off.rps if off.rps else 0.0,
-            "p99_on_over_off": on.p99_ms / off.p99_ms if off.p99_ms else 0.0}
+    ratio = {"rps_on_over_off": on.rps / off.rps if off.rps else 0.0,
+             "p99_on_over_off": on.p99_ms / off.p99_ms if off.p99_ms else 0.0}
+    if on.generation and off.generation:
+        on_tps, off_tps = on.generation.tokens_per_s, off.generation.tokens_per_s
+        ratio["tokens_per_s_on_over_off"] = on_tps / off_tps if off_tps else 0.0
+    return ratio
 
 
 def describe(target: Target) -> dict[str, object]:
@@ -226,7 +301,8 @@ def describe(target: Target) -> dict[str, object]:
 
 
 def plot(runs: Sequence[RunSummary], path: Path) -> None:
-    """Latency percentiles and RPS over time, one line per mode (skipped without matplotlib)."""
+    """Latency percentiles of each plotted Locust row (PLOTTED, default Aggregated) and RPS over
+    time, one color per mode (skipped without matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -234,16 +310,22 @@ def plot(runs: Sequence[RunSummary], path: Path) -> None:
     except ImportError:
         print("matplotlib not installed (pip install -e '.[load]'): no plot", file=sys.stderr)
         return
-    fig, (lat, rps) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    rows = PLOTTED.get(runs[0].scenario, ("Aggregated",))
+    fig, axes = plt.subplots(len(rows) + 1, 1, figsize=(9, 2.5 + 2.5 * len(rows)), sharex=True)
+    *latencies, rps = axes
     for run, color in zip(runs, ("tab:blue", "tab:orange")):
-        t, series = history(Path(f"{run.csv_prefix}_stats_history.csv"))
-        for pct, style in (("50%", ":"), ("95%", "--"), ("99%", "-")):
-            lat.plot(t, series[pct], style, color=color,
-                     label=f"coalescing {run.coalescing} p{pct[:-1]}")
-        rps.plot(t, series["Requests/s"], color=color, label=f"coalescing {run.coalescing}")
-    lat.set_ylabel("latency (ms)")
-    lat.set_title(f"{runs[0].scenario}: {runs[0].users} users")
-    lat.legend(fontsize="small")
+        for row, lat in zip(rows, latencies):
+            t, series = history(Path(f"{run.csv_prefix}_stats_history.csv"), row)
+            for pct, style in (("50%", ":"), ("95%", "--"), ("99%", "-")):
+                lat.plot(t, series[pct], style, color=color,
+                         label=f"coalescing {run.coalescing} p{pct[:-1]}")
+            if row not in MEASURES:  # a TTFT is not a request
+                rps.plot(t, series["Requests/s"], ("-", "--", "-.")[rows.index(row)], color=color,
+                         label=f"coalescing {run.coalescing}" + ("" if len(rows) == 1 else f" {row}"))
+    for row, lat in zip(rows, latencies):
+        lat.set_ylabel("latency (ms)" if row == "Aggregated" else f"{row} (ms)")
+        lat.legend(fontsize="small")
+    latencies[0].set_title(f"{runs[0].scenario}: {runs[0].users} users")
     rps.set_ylabel("requests/s")
     rps.set_xlabel("seconds")
     rps.legend(fontsize="small")
@@ -252,12 +334,13 @@ def plot(runs: Sequence[RunSummary], path: Path) -> None:
     plt.close(fig)
 
 
-def history(path: Path) -> tuple[list[float], dict[str, list[float]]]:
-    """Seconds since start and per-second series of Locust's Aggregated history rows."""
+def history(path: Path, name: str = "Aggregated") -> tuple[list[float], dict[str, list[float]]]:
+    """Seconds since the first request and per-second series of Locust's history rows named
+    `name`."""
     with path.open() as source:
-        rows = [r for r in csv.DictReader(source)
-                if r["Name"] == "Aggregated" and r["50%"] != "N/A"]
+        rows = [r for r in csv.DictReader(source) if r["50%"] != "N/A"]
     start = float(rows[0]["Timestamp"]) if rows else 0.0
+    rows = [r for r in rows if r["Name"] == name]
     keys = ("50%", "95%", "99%", "Requests/s")
     return ([float(r["Timestamp"]) - start for r in rows],
             {k: [float(r[k]) for r in rows] for k in keys})
