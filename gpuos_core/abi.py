@@ -5,6 +5,8 @@ compiles the header with the host C compiler and compares every size and offset.
 """
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import torch
 
@@ -60,17 +62,38 @@ def dtype_code(dtype: torch.dtype) -> int:
         raise TensorSpecError(f"dtype {dtype} is not supported: use one of {names}") from None
 
 
-def encode_tensor(ref: np.void, tensor: torch.Tensor) -> None:
-    """Fill one TENSOR_REF record in place from `tensor` (sizes/strides in elements)."""
+# TASK packed field by field in one call: numpy's structured-field writes cost ~40 us a record.
+_REF_FORMAT = f"Qq{MAX_DIMS}q{MAX_DIMS}qii"
+TASK_STRUCT = struct.Struct(f"<iiIiqq{MAX_SCALARS}f" + _REF_FORMAT * (1 + MAX_INPUTS))
+assert TASK_STRUCT.size == TASK.itemsize, "TASK_STRUCT must mirror TASK"
+_NO_TENSOR = (0, 0) + (0,) * (2 * MAX_DIMS) + (0, 0)
+
+
+def tensor_fields(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The TENSOR_REF values of `tensor` in field order (sizes and strides in elements)."""
     ndim = tensor.dim()
     if ndim > MAX_DIMS:
         raise TensorSpecError(f"tensor has {ndim} dims; at most {MAX_DIMS} are supported")
-    ref["data"] = tensor.data_ptr()
-    ref["numel"] = tensor.numel()
-    ref["sizes"] = tuple(tensor.shape) + (1,) * (MAX_DIMS - ndim)
-    ref["strides"] = tuple(tensor.stride()) + (0,) * (MAX_DIMS - ndim)
-    ref["dtype"] = dtype_code(tensor.dtype)
-    ref["ndim"] = ndim
+    pad = MAX_DIMS - ndim
+    return (tensor.data_ptr(), tensor.numel(), *tensor.shape, *(1,) * pad, *tensor.stride(),
+            *(0,) * pad, dtype_code(tensor.dtype), ndim)
+
+
+def encode_task(records: np.ndarray, ranges: list[tuple[int, int]], out: torch.Tensor,
+                inputs: tuple[torch.Tensor, ...], scalars: tuple[float, ...] = (),
+                reduce_mask: int = 0) -> None:
+    """Fill TASK records[i] for each work-item range [begin, end) of one task; op_slot is left
+    0 for submit to resolve."""
+    if len(inputs) > MAX_INPUTS or len(scalars) > MAX_SCALARS:
+        raise TensorSpecError(f"a task takes at most {MAX_INPUTS} inputs and {MAX_SCALARS} "
+                              f"scalars, got {len(inputs)} and {len(scalars)}")
+    refs = tensor_fields(out) + sum((tensor_fields(x) for x in inputs), ())
+    refs += _NO_TENSOR * (MAX_INPUTS - len(inputs))
+    scalars = tuple(scalars) + (0.0,) * (MAX_SCALARS - len(scalars))
+    raw = records.view(np.uint8)
+    for i, (begin, end) in enumerate(ranges):
+        TASK_STRUCT.pack_into(raw, i * TASK.itemsize, 0, len(inputs), reduce_mask, 0, begin, end,
+                              *scalars, *refs)
 
 
 def ref_shape(ref: np.void) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .abi import RAW_TASK, TASK, encode_tensor
+from .abi import RAW_TASK, TASK, encode_task
 from .backends.base import Backend
 from .backends.cpu import CpuBackend
 from .batch import Batch
@@ -347,15 +347,8 @@ def encode_records(task: Prepared, tile_elements: int | None) -> np.ndarray:
     per_item = max(1, max(x.numel() for x in task.inputs) // max(task.items, 1))
     step = max(1, tile_elements // per_item) if tile_elements else max(task.items, 1)
     bounds = list(range(0, task.items, step)) or [0]
-    records = np.zeros(len(bounds), dtype=TASK)
-    first = records[0]
-    first["num_inputs"] = len(task.inputs)
-    first["reduce_mask"] = sum(1 << d for d in task.params.reduce_dims)
-    first["scalars"][: len(task.params.scalars)] = task.params.scalars
-    encode_tensor(first["out"], task.out_ref)
-    for k, x in enumerate(task.inputs):
-        encode_tensor(first["in"][k], x)
-    records[1:] = first
-    records["range_begin"] = bounds
-    records["range_end"] = bounds[1:] + [task.items]
+    records = np.empty(len(bounds), dtype=TASK)
+    mask = sum(1 << d for d in task.params.reduce_dims)
+    encode_task(records, list(zip(bounds, bounds[1:] + [task.items])), task.out_ref, task.inputs,
+                task.params.scalars, mask)
     return records

@@ -64,21 +64,29 @@ def test_constants_match_header(c_layout: dict[str, int]) -> None:
     assert c_layout["GPUOS_DTYPE_BF16"] == abi.DTYPE_CODES[torch.bfloat16]
 
 
-def test_encode_tensor_records_view_geometry() -> None:
+def test_encode_task_records_view_geometry_read_back_through_the_dtype() -> None:
     base = torch.randn(4, 6, dtype=torch.float16)
     view = base[1:, ::2].t()  # non-contiguous, offset view
-    record = np.zeros((), dtype=abi.TENSOR_REF)[()]
-    abi.encode_tensor(record, view)
-    assert abi.ref_shape(record) == (3, 3)
-    assert abi.ref_strides(record) == (2, 6)
-    assert int(record["data"]) == view.data_ptr() == base.data_ptr() + 2 * 6
-    assert int(record["dtype"]) == abi.DTYPE_CODES[torch.float16]
-    assert int(record["numel"]) == 9
+    other = torch.zeros(3, 3, dtype=torch.bfloat16)
+    records = np.zeros(2, dtype=abi.TASK)
+    abi.encode_task(records, [(0, 5), (5, 9)], view, (other, view), (0.5, -2.0), reduce_mask=2)
+    for record, (begin, end) in zip(records, [(0, 5), (5, 9)]):
+        assert (int(record["range_begin"]), int(record["range_end"])) == (begin, end)
+        assert int(record["num_inputs"]) == 2 and int(record["reduce_mask"]) == 2
+        assert list(record["scalars"]) == [0.5, -2.0, 0.0, 0.0]
+        out, first, unused = record["out"], record["in"][0], record["in"][2]
+        assert abi.ref_shape(out) == (3, 3) and abi.ref_strides(out) == (2, 6)
+        assert int(out["data"]) == view.data_ptr() == base.data_ptr() + 2 * 6
+        assert int(out["dtype"]) == abi.DTYPE_CODES[torch.float16] and int(out["numel"]) == 9
+        assert int(first["data"]) == other.data_ptr()
+        assert int(first["dtype"]) == abi.DTYPE_CODES[torch.bfloat16]
+        assert list(first["sizes"]) == [3, 3, 1, 1, 1, 1] and list(first["strides"]) == [3, 1, 0, 0, 0, 0]
+        assert int(unused["data"]) == 0 and int(unused["ndim"]) == 0
 
 
 def test_encode_rejects_unsupported_tensors() -> None:
-    record = np.zeros((), dtype=abi.TENSOR_REF)[()]
+    records = np.zeros(1, dtype=abi.TASK)
     with pytest.raises(abi.TensorSpecError, match="float64 is not supported"):
-        abi.encode_tensor(record, torch.zeros(2, dtype=torch.float64))
+        abi.encode_task(records, [(0, 2)], torch.zeros(2, dtype=torch.float64), ())
     with pytest.raises(abi.TensorSpecError, match="7 dims"):
-        abi.encode_tensor(record, torch.zeros((1,) * 7))
+        abi.encode_task(records, [(0, 1)], torch.zeros((1,) * 7), ())
