@@ -133,6 +133,7 @@ def _builtin() -> dict[str, OpSpec]:
         _map("gelu", "gelu(A)", lambda x, s: F.gelu(x[0])),
         _map("gelu_tanh", "gelu_tanh(A)", lambda x, s: F.gelu(x[0], approximate="tanh")),
         _map("silu", "silu(A)", lambda x, s: F.silu(x[0])),
+        _map("swiglu", "silu(A) * B", lambda x, s: F.silu(x[0]) * x[1]),  # Llama's gated MLP
         _map("hardsigmoid", "hardsigmoid(A)", lambda x, s: F.hardsigmoid(x[0])),
         _map("hardswish", "hardswish(A)", lambda x, s: F.hardswish(x[0])),
         _map("leaky_relu", "leaky_relu(A, s0)", lambda x, s: F.leaky_relu(x[0], s[0]),
@@ -174,6 +175,12 @@ def prepare(spec: OpSpec, call: OpCall, device: torch.device) -> Prepared:
         for d in lay.reduce_dims:
             out_ref = out_ref.unsqueeze(d)
     return Prepared(spec.name, out, out_ref, lay.inputs, Params(scalars, lay.reduce_dims), lay.items)
+
+
+def run_reference(spec: OpSpec, call: OpCall) -> torch.Tensor:
+    """`call` computed by `spec`'s torch reference directly, without layout checks or encoding:
+    what launching the micro-op with torch costs (a baseline). Inputs must already agree."""
+    return spec.check_reference(call.inputs, Params(_scalars(spec, call.scalars, call.inputs)))
 
 
 def _check_inputs(spec: OpSpec, inputs: Sequence[torch.Tensor], device: torch.device) -> None:

@@ -404,7 +404,8 @@ def random_weights(config: ModelConfig, seed: int) -> Weights:
     gen = torch.Generator().manual_seed(seed)
     biased = config.family == "gpt2"
     layers = [_random_layer(config, gen, biased) for _ in range(config.layers)]
-    embed = torch.randn(config.vocab_size, config.hidden, generator=gen)
+    # 1/sqrt(hidden): with GPT-2's tied head, logits are then O(1), so sampling is not one-hot.
+    embed = torch.randn(config.vocab_size, config.hidden, generator=gen) / math.sqrt(config.hidden)
     positions = torch.randn(config.max_positions, config.hidden, generator=gen) * 0.5 if biased else None
     final = _random_norm(config.hidden, gen, biased)
     shape = (config.vocab_size, config.hidden)

@@ -1,0 +1,175 @@
+"""The continuous-batching engine: its logits equal the reference forward (and transformers') for
+GPT-2 and Llama configs with ragged prompts decoded together, on the runtime (CPU backend here, CUDA
+where there is one) and with torch micro-ops; sampling, stop strings, max_tokens, bounded KV slots,
+queueing and errors."""
+from __future__ import annotations
+
+import importlib.util
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpuos_core import Runtime
+from serving.llm import ByteTokenizer, Model, create_tiny_model, load_model
+from serving.llm.engine import Engine, EngineConfig, EngineFullError, PromptTooLongError
+from serving.llm.sampling import SamplingParams
+
+FAMILIES = ["gpt2", "llama"]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_model(tmp_path_factory.mktemp(request.param) / "model", request.param, seed=3)
+
+
+@pytest.fixture(scope="module")
+def runtime(backend: str) -> Iterator[Runtime]:
+    with Runtime(backend) as rt:
+        yield rt
+
+
+def device_model(model_dir: Path, runtime: Runtime, dtype: torch.dtype = torch.float32) -> Model:
+    return load_model(model_dir, dtype=dtype, device=str(runtime.device))
+
+
+def start(model: Model, runtime: Runtime | None, **config: object) -> Engine:
+    return Engine(model, ByteTokenizer(eos_id=None), runtime, EngineConfig(**config))
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def run_together(engine: Engine, batch: list[list[int]], params: SamplingParams
+                 ) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Submit every prompt at once (they share steps); each one's generated ids and logits."""
+    streams = [engine.submit(p, params, keep_logits=True) for p in batch]
+    finals = [list(s)[-1] for s in streams]
+    assert all(f.error is None for f in finals), finals
+    assert all(s.tokens == [int(t.argmax()) for t in s.logits] for s in streams)  # greedy
+    return [(s.tokens, s.logits) for s in streams]
+
+
+def reference_logits(model: Model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """Rows of one full forward that predict each generated token."""
+    sequence = torch.tensor(prompt + generated[:-1], device=model.weights.embed.device)
+    return model.forward(sequence)[len(prompt) - 1:].float().cpu()
+
+
+@pytest.mark.parametrize("micro_ops", ["runtime", "torch"])
+def test_engine_logits_equal_the_reference_forward(model_dir: Path, runtime: Runtime,
+                                                   micro_ops: str) -> None:
+    model = device_model(model_dir, runtime)
+    engine = start(model, runtime, micro_ops=micro_ops, max_running=4, max_step_tokens=24)
+    try:
+        batch = prompts([5, 17, 1, 30, 9])  # ragged; 30 is chunked over two steps
+        for prompt, (generated, logits) in zip(batch, run_together(engine, batch, GREEDY)):
+            assert len(generated) == GREEDY.max_tokens
+            expected = reference_logits(model, prompt, generated)
+            torch.testing.assert_close(torch.stack(logits), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        engine.close()
+
+
+def test_engine_logits_in_bf16(model_dir: Path, runtime: Runtime) -> None:
+    model = device_model(model_dir, runtime, torch.bfloat16)
+    engine = start(model, runtime)
+    try:
+        batch = prompts([4, 11], seed=1)
+        for prompt, (generated, logits) in zip(batch, run_together(engine, batch, GREEDY)):
+            expected = reference_logits(model, prompt, generated)
+            torch.testing.assert_close(torch.stack(logits), expected, rtol=0.05, atol=0.1)
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="Hugging Face `transformers` is not installed (optional)")
+def test_engine_logits_equal_transformers(model_dir: Path, runtime: Runtime) -> None:
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    engine = start(device_model(model_dir, runtime), runtime)
+    try:
+        batch = prompts([3, 12], seed=2)
+        for prompt, (generated, logits) in zip(batch, run_together(engine, batch, GREEDY)):
+            with torch.no_grad():
+                expected = hf(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
+            torch.testing.assert_close(torch.stack(logits), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, runtime: Runtime) -> Iterator[Engine]:
+    engine = start(device_model(model_dir, runtime), runtime, max_running=2, max_waiting=8)
+    yield engine
+    engine.close()
+
+
+def test_seed_makes_sampling_reproducible(engine: Engine) -> None:
+    prompt = prompts([6])[0]
+    streams = [engine.submit(prompt, SamplingParams(max_tokens=12, temperature=2.0, seed=s))
+               for s in (11, 11, 12, 13, 14)]
+    ids = [(list(s), s.tokens)[1] for s in streams]
+    assert ids[0] == ids[1] and len(ids[0]) == 12
+    assert any(other != ids[0] for other in ids[2:])  # (the tiny model's distributions are peaked)
+
+
+def test_max_tokens_finishes_with_length(engine: Engine) -> None:
+    text, last = engine.generate(prompts([5])[0], SamplingParams(max_tokens=7, temperature=0.0))
+    assert last.finish_reason == "length" and last.completion_tokens == 7
+    assert last.prompt_tokens == 5
+
+
+def test_stop_string_truncates_and_finishes_with_stop(engine: Engine) -> None:
+    prompt = list(b"hello world")
+    full, _ = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0))
+    stop = full[4:6]
+    assert stop, f"the greedy completion {full!r} is too short to pick a stop string from"
+    text, last = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=[stop]))
+    assert last.finish_reason == "stop"
+    assert text == full[:full.index(stop)]
+
+
+def test_more_requests_than_slots_queue_and_all_finish(engine: Engine) -> None:
+    peak = []
+    streams = [engine.submit(p, GREEDY) for p in prompts([3, 8, 2, 5, 7], seed=4)]
+    watcher = threading.Thread(target=lambda: [peak.append(engine.stats()["running"])
+                                               for _ in range(200)])
+    watcher.start()
+    finals = [list(s)[-1] for s in streams]
+    watcher.join()
+    assert [f.finish_reason for f in finals] == ["length"] * 5
+    assert max(peak) <= 2  # max_running bounds the KV slots in use
+
+
+def test_full_queue_is_refused(model_dir: Path, runtime: Runtime) -> None:
+    engine = start(device_model(model_dir, runtime), runtime, max_running=1, max_waiting=1)
+    try:
+        long = SamplingParams(max_tokens=60, temperature=0.0)
+        streams = [engine.submit([1, 2, 3], long)]
+        with pytest.raises(EngineFullError, match="retry"):
+            for _ in range(3):  # one runs, one waits, the next is refused
+                streams.append(engine.submit([1, 2, 3], long))
+        for s in streams:
+            s.cancel()
+        assert {list(s)[-1].finish_reason for s in streams} <= {"cancelled", "length"}
+    finally:
+        engine.close()
+
+
+def test_context_limits(engine: Engine) -> None:
+    with pytest.raises(PromptTooLongError, match="context holds"):
+        engine.submit([1] * engine.max_len, GREEDY)
+    with pytest.raises(PromptTooLongError, match="empty"):
+        engine.submit([], GREEDY)
+    with pytest.raises(PromptTooLongError, match="outside the vocabulary"):
+        engine.submit([1, 999], GREEDY)
+    _, last = engine.generate([1] * (engine.max_len - 3), SamplingParams(max_tokens=50,
+                                                                           temperature=0.0))
+    assert last.finish_reason == "length" and last.completion_tokens == 3
