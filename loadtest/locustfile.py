@@ -29,12 +29,15 @@ from dataclasses import asdict
 from typing import Any
 
 import numpy as np
+from greenlet import GreenletExit
 from locust import FastHttpUser, HttpUser, between, constant, events, task
 from locust.exception import StopUser
+from locust.runners import STATE_CLEANUP, STATE_STOPPED
 from requests import RequestException  # after locust, which must patch ssl first
 
-from loadtest.completions import (COMPLETION, PROMPTS, STREAM, TTFT, CompletionStream, Generated,
-                                  completion_problem, completion_request, model_id)
+from loadtest.completions import (COMPLETION, MAX_TOKENS, PROMPTS, STREAM, STREAM_FRACTION, TTFT,
+                                  CompletionStream, Generated, completion_problem,
+                                  completion_request, model_id)
 from loadtest.storm import (EXPRESSIONS, STORM_OP, admin_headers, affine_versions,
                             ensure_registered)
 
@@ -202,9 +205,11 @@ class CompletionUser(HttpUser):
         if os.environ.get("GPUOS_LOAD_MODEL"):
             logging.warning("GET /v1/models failed (%s); using $GPUOS_LOAD_MODEL", problem)
             return os.environ["GPUOS_LOAD_MODEL"]
+        if self.environment.runner.state in (STATE_CLEANUP, STATE_STOPPED):
+            raise GreenletExit  # another user stopped the run: end quietly (StopUser logs a trace)
         logging.error("GET /v1/models failed (%s): is the OpenAI API deployed? $GPUOS_LOAD_MODEL "
                       "names a model to use anyway. Stopping the run.", problem)
-        self.environment.runner.quit()
+        self.environment.runner.quit()  # ends this user too
         raise StopUser()
 
     @task
@@ -243,7 +248,7 @@ class CompletionUser(HttpUser):
             problem = status_problem(response)
             content_type = response.headers.get("content-type", "")
             if not problem and not content_type.startswith("text/event-stream"):
-                problem = f"content-type {content_type!r}: {response.text[:200]}"
+                problem = f"content-type {content_type!r}, not text/event-stream"
             try:
                 for line in () if problem else response.iter_lines():
                     if check.feed(line.decode("utf-8", errors="replace")) and first is None:
@@ -263,9 +268,10 @@ class CompletionUser(HttpUser):
 
 @events.init_command_line_parser.add_listener
 def completion_options(parser: Any) -> None:
-    """CompletionUser's options (`locust --help` lists them)."""
-    parser.add_argument("--max-tokens", type=int, default=16, help="CompletionUser's max_tokens")
-    parser.add_argument("--stream-fraction", type=float, default=0.5,
+    """CompletionUser's options, given on Locust's command line like its own."""
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                        help="CompletionUser's max_tokens")
+    parser.add_argument("--stream-fraction", type=float, default=STREAM_FRACTION,
                         help="the fraction of CompletionUser's requests that stream")
     parser.add_argument("--tokens-out", default="",
                         help="where CompletionUser writes its token counts (JSON) at test stop")

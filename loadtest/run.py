@@ -34,7 +34,8 @@ from pathlib import Path
 
 import requests
 
-from loadtest.completions import COMPLETION, MEASURES, STREAM, TTFT, Generated
+from loadtest.completions import (COMPLETION, MAX_TOKENS, MEASURES, STREAM, STREAM_FRACTION, TTFT,
+                                  Generated)
 from loadtest.launch import REPO, free_port, start_serve, write_config
 from loadtest.storm import ensure_registered
 
@@ -115,8 +116,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=REPO / "deployments" / "llm.yaml",
                         help="Serve config to start when no --url is given")
     parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--max-tokens", type=int, default=16, help="completions: max_tokens")
-    parser.add_argument("--stream-fraction", type=float, default=0.5,
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                        help="completions: max_tokens")
+    parser.add_argument("--stream-fraction", type=float, default=STREAM_FRACTION,
                         help="completions: the fraction of requests that stream")
     parser.add_argument("--out", type=Path, help="report folder (default loadtest/results/...)")
     return parser.parse_args(argv)
@@ -311,7 +313,7 @@ def plot(runs: Sequence[RunSummary], path: Path) -> None:
         print("matplotlib not installed (pip install -e '.[load]'): no plot", file=sys.stderr)
         return
     rows = PLOTTED.get(runs[0].scenario, ("Aggregated",))
-    fig, axes = plt.subplots(len(rows) + 1, 1, figsize=(9, 2.5 + 2.5 * len(rows)), sharex=True)
+    fig, axes = plt.subplots(len(rows) + 1, 1, figsize=(9, 3.5 * (len(rows) + 1)), sharex=True)
     *latencies, rps = axes
     for run, color in zip(runs, ("tab:blue", "tab:orange")):
         for row, lat in zip(rows, latencies):
@@ -320,8 +322,9 @@ def plot(runs: Sequence[RunSummary], path: Path) -> None:
                 lat.plot(t, series[pct], style, color=color,
                          label=f"coalescing {run.coalescing} p{pct[:-1]}")
             if row not in MEASURES:  # a TTFT is not a request
+                label = f"coalescing {run.coalescing}" + ("" if len(rows) == 1 else f" {row}")
                 rps.plot(t, series["Requests/s"], ("-", "--", "-.")[rows.index(row)], color=color,
-                         label=f"coalescing {run.coalescing}" + ("" if len(rows) == 1 else f" {row}"))
+                         label=label)
     for row, lat in zip(rows, latencies):
         lat.set_ylabel("latency (ms)" if row == "Aggregated" else f"{row} (ms)")
         lat.legend(fontsize="small")
