@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from gpuos_core import Runtime, RuntimeConfig
 
 from .coalescer import Coalescer
+from .completions import LlmService
 from .config import AppArgs, Backend, CoalescerConfig
 from .errors import RegistryDivergedError
 from .metrics import ReplicaMetrics
@@ -50,6 +51,8 @@ class GpuosIngress:
         self.admin_token = args.resolved_admin_token()
         self.registry = ReplicaRegistry(self.runtime, RegistryStore(args.resolved_state_dir()))
         applied = self.registry.catch_up()  # a broken state file fails the replica's start
+        self.llm = (LlmService(args.llm, self.runtime, args.resolved_state_dir())
+                    if args.llm.enabled else None)
         log.info("replica %s: %s; registry %s at seq %d", self.replica_id,
                  self.runtime.backend_reason, self.registry.store.path, applied.seq)
 
@@ -71,6 +74,8 @@ class GpuosIngress:
             raise RuntimeError(reason)
 
     async def __del__(self) -> None:  # Serve awaits it on the replica's loop at shutdown
+        if self.llm is not None:
+            self.llm.close()
         self.coalescer.flush()
         self.runtime.close()
 
@@ -97,11 +102,12 @@ class GpuosIngress:
 
     def local_stats(self) -> ReplicaStats:
         s = self.coalescer.stats
+        llm = {f"llm_{k}": v for k, v in self.llm.engine.stats().items()} if self.llm else {}
         return ReplicaStats(replica=self.replica_id, requests=s.requests, batches=s.batches,
                             tasks=s.tasks, mean_batch_size=s.mean_batch_size,
                             max_batch_seen=s.max_batch_seen, rejected=s.rejected,
                             expired=s.expired, queue_depth=self.coalescer.queue_depth,
-                            sizes=dict(s.sizes), config=self.coalescer.config)
+                            sizes=dict(s.sizes), config=self.coalescer.config, **llm)
 
     # -- helpers for the routes ------------------------------------------------------------------
     def readiness(self) -> ReadyResponse:

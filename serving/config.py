@@ -17,6 +17,23 @@ STATE_DIR_ENV = "GPUOS_STATE_DIR"
 DEFAULT_STATE_DIR = Path("~/.local/state/gpuos")
 
 
+class LlmArgs(BaseModel):
+    """The `llm:` block of the app's args: the model behind /v1/completions and its engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True            # False: no model, /v1/completions answers 404
+    model: str | None = None        # Hugging Face directory; None: a seeded tiny model
+    tiny_family: Literal["gpt2", "llama"] = "gpt2"  # which tiny model when `model` is None
+    served_name: str | None = None  # id clients send as `model`; None: the directory's name
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None  # None: the checkpoint's
+    max_running: int = Field(16, ge=1, le=1024)  # requests decoded together (KV slots)
+    max_len: int | None = Field(None, ge=2)      # tokens per slot; None: the model's limit
+    max_waiting: int = Field(256, ge=0)          # queued beyond this: 503
+    max_step_tokens: int = Field(512, ge=1)      # new rows one step takes (prompts chunked)
+    micro_ops: Literal["runtime", "torch"] = "runtime"  # torch: the per-op baseline
+
+
 class AppArgs(BaseModel):
     """The `args:` block of a Serve config. Unknown keys are rejected so that a typo cannot pass
     silently."""
@@ -29,6 +46,7 @@ class AppArgs(BaseModel):
     max_elements: int = Field(1 << 20, ge=1)  # most tensor elements one /v1/ops request may carry
     allow_raw_cuda: bool = False  # let /admin register and swap operators written as raw CUDA
     num_cpus: float = Field(1.0, ge=0)  # CPUs one replica reserves in Ray's scheduler
+    llm: LlmArgs = LlmArgs()  # the model behind /v1/completions
 
     def resolved_admin_token(self) -> str | None:
         """The admin token in force: the arg, else the environment; None disables /admin."""

@@ -38,6 +38,13 @@ STATUS: dict[str, int] = {
     "RegistryDivergedError": 503,
     "RegistryError": 500,
     "TaskFailedError": 500,
+    "ModelNotFoundError": 404,
+    "UnsupportedParameterError": 400,
+    "PromptTooLongError": 400,
+    "SamplingError": 400,
+    "EngineFullError": 503,
+    "EngineClosedError": 503,
+    "EngineFailedError": 500,
     "GpuosError": 400,  # raised on purpose and says what to fix: the caller's to fix
 }
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait

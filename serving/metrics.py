@@ -6,6 +6,7 @@ from ray.serve import metrics
 
 SIZE_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 WAIT_BOUNDS_MS = [0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100]
+TTFT_BOUNDS_MS = [5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
 
 
 class ReplicaMetrics:
@@ -25,6 +26,25 @@ class ReplicaMetrics:
         self._errors = metrics.Counter(
             "gpuos_request_errors_total", "requests answered with an error, by error class",
             tag_keys=("kind", "status"))
+
+        self._completions = metrics.Counter(
+            "gpuos_completion_requests_total", "completion requests by mode",
+            tag_keys=("stream",))
+        self._tokens = metrics.Counter(
+            "gpuos_generated_tokens_total", "tokens generated for completions")
+        self._ttft = metrics.Histogram(
+            "gpuos_time_to_first_token_ms", "streamed completions: request to first chunk",
+            TTFT_BOUNDS_MS)
+
+    def completion(self, prompts: int, stream: bool) -> None:
+        self._completions.inc(prompts, tags={"stream": str(stream).lower()})
+
+    def generated(self, tokens: int) -> None:
+        if tokens:
+            self._tokens.inc(tokens)
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(1e3 * seconds)
 
     def flushed(self, size: int, window_wait_s: float, queue_depth: int) -> None:
         self._batch.observe(size)

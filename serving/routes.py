@@ -1,6 +1,7 @@
 """The HTTP API of one replica, built per replica around its runtime, coalescer and registry.
 
-Inference: GET /v1/ops, POST /v1/ops/{op}, GET /v1/stats. Health: /healthz, /readyz. Admin (bearer
+Inference: GET /v1/ops, POST /v1/ops/{op}, GET /v1/stats; OpenAI-compatible POST /v1/completions
+and GET /v1/models (serving/completions.py). Health: /healthz, /readyz. Admin (bearer
 token): /admin/ops (list, register), /admin/ops/{name} (one), .../swap, .../rollback,
 /admin/replicas, /admin/coalescer. OpenAPI docs at /docs. Every expected error is answered by
 `errors.error_response` (4xx with a message; never a 500 for bad input).
@@ -21,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gpuos_core import Runtime
 from gpuos_core.optable import OpVersion
 
+from .completions import completion_routes
 from .config import ADMIN_TOKEN_ENV, CoalescerConfig
 from .errors import EXPECTED, AdminAuthError, RequestTooLargeError, error_response, status_of
 from .schemas import (AdminOp, ChangeResponse, CoalescerUpdate, HealthResponse, OpRequest,
@@ -43,6 +45,7 @@ def build_api(replica: "GpuosIngress") -> FastAPI:
     api.include_router(_health_routes(replica))
     api.include_router(_inference_routes(replica))
     api.include_router(_admin_routes(replica))
+    api.include_router(completion_routes(replica))
     return api
 
 

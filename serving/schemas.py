@@ -128,6 +128,10 @@ class ReplicaStats(BaseModel):
     queue_depth: int
     sizes: dict[int, int] = Field(description="batch size -> submissions of that size")
     config: CoalescerConfig
+    llm_steps: int = Field(0, description="LLM engine steps (every running request advances)")
+    llm_tokens: int = Field(0, description="tokens the LLM engine generated")
+    llm_running: int = Field(0, description="completions decoding now (KV slots in use)")
+    llm_waiting: int = Field(0, description="completions waiting for a KV slot")
 
 
 class StatsTotal(BaseModel):
@@ -135,6 +139,8 @@ class StatsTotal(BaseModel):
     batches: int
     tasks: int
     mean_batch_size: float = Field(description="tasks per runtime submission, all replicas")
+    llm_steps: int = 0
+    llm_tokens: int = 0
 
 
 class StatsResponse(BaseModel):
@@ -148,7 +154,9 @@ def stats_total(replicas: list[ReplicaStats]) -> StatsTotal:
     batches = sum(r.batches for r in replicas)
     tasks = sum(r.tasks for r in replicas)
     return StatsTotal(requests=sum(r.requests for r in replicas), batches=batches, tasks=tasks,
-                      mean_batch_size=tasks / batches if batches else 0.0)
+                      mean_batch_size=tasks / batches if batches else 0.0,
+                      llm_steps=sum(r.llm_steps for r in replicas),
+                      llm_tokens=sum(r.llm_tokens for r in replicas))
 
 
 # -- admin -------------------------------------------------------------------------------------

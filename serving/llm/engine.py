@@ -184,7 +184,8 @@ class Engine:
         self._running: list[_Request] = []
         self._lock = threading.Condition()
         self._closed = False
-        self.steps = self.submissions = 0   # counters for /v1/stats and the benchmark
+        self.steps = self.tokens = 0    # steps run, tokens generated (for /v1/stats)
+        self.submissions = 0            # micro-op stages run (runtime submissions)
         self._thread = threading.Thread(target=self._loop, name="gpuos-llm-engine", daemon=True)
         self._thread.start()
 
@@ -224,9 +225,10 @@ class Engine:
                                      f"holds {self.max_len} (prompt + completion)")
 
     def stats(self) -> dict[str, int]:
+        """Requests running and waiting now; steps and tokens so far."""
         with self._lock:
             return {"running": len(self._running), "waiting": len(self._waiting),
-                    "steps": self.steps, "submissions": self.submissions}
+                    "steps": self.steps, "tokens": self.tokens}
 
     def close(self) -> None:
         """Stop the step thread; requests not finished get an error delta."""
@@ -401,6 +403,7 @@ class Engine:
     def _advance(self, r: _Request, token: int) -> None:
         r.generated.append(token)
         r.stream.tokens.append(token)
+        self.tokens += 1
         if token == self.tokenizer.eos_id:
             self._finish(r, r.stops.flush(), "stop")
             return
