@@ -83,6 +83,7 @@ class _Stream:
         # The logits [vocab] (fp32, CPU) each token was chosen from, when asked for (checks).
         self.logits: list[torch.Tensor] | None = [] if keep_logits else None
         self.tokens: list[int] = []  # ids generated so far (the engine thread appends)
+        self.token_times: list[float] = []  # time.perf_counter() when each was chosen
         self._loop = loop
         self._async: asyncio.Queue[Delta] | None = asyncio.Queue() if loop else None
         self._sync: queue.SimpleQueue[Delta] = queue.SimpleQueue()
@@ -238,6 +239,7 @@ class Engine:
         self._thread.join()
 
     # -- the step loop -------------------------------------------------------------------------
+    @torch.inference_mode()  # no autograd bookkeeping for the engine's tensors
     def _loop(self) -> None:
         while self._wait_for_work():
             try:
@@ -403,6 +405,7 @@ class Engine:
     def _advance(self, r: _Request, token: int) -> None:
         r.generated.append(token)
         r.stream.tokens.append(token)
+        r.stream.token_times.append(time.perf_counter())
         self.tokens += 1
         if token == self.tokenizer.eos_id:
             self._finish(r, r.stops.flush(), "stop")
