@@ -36,5 +36,7 @@ if [[ -f .devbundle/site.tar.xz && "$mode" != quick ]]; then
     mkdir -p /tmp/site && tar -C /tmp/site -xJf .devbundle/site.tar.xz
     export PYTHONPATH="/tmp/site:$PYTHONPATH" PATH="/tmp/site/bin:$PATH"
     step loadtest 300 python3 -m loadtest.run micro --users 64 --duration 30 --out "$OUT/loadtest"
+    step loadtest-completions 300 python3 -m loadtest.run completions --users 32 --duration 30 \
+        --coalescing on --out "$OUT/loadtest"
 fi
 exit $status
