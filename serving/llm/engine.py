@@ -267,7 +267,9 @@ class Engine:
     def _schedule(self) -> _Rows | None:
         """Admit waiting requests into free slots, drop cancelled ones, stack every running
         request's pending rows (at most max_step_tokens, prompts chunked)."""
-        for r in [r for r in self._running + list(self._waiting) if r.cancelled]:
+        with self._lock:  # submit appends to _waiting from other threads
+            gone = [r for r in self._running + list(self._waiting) if r.cancelled]
+        for r in gone:
             self._finish(r, "", "cancelled")
         with self._lock:
             while self._waiting and (slot := self.kv.acquire()) is not None:
