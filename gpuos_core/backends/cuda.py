@@ -48,18 +48,22 @@ class _Pending:
 
     batch: Batch
     first: int            # ticket of its first record
-    slots: np.ndarray     # ring slot of each record
-    expect: np.ndarray    # ticket + 1 of each record: the value completion writes
+    count: int            # records
+    mask: int             # ring capacity - 1
 
-    def finished(self, done: np.ndarray) -> np.ndarray | None:
-        """The completion values of its records once all are written, else None. Tests the last
-        record first: the cheap scalar check rejects most unfinished batches."""
-        if abs(int(done[self.slots[-1]])) != self.expect[-1]:
+    def failed(self, done: np.ndarray) -> list[int] | None:
+        """None until every record's completion is written; then the records that failed. Tests
+        the last record first, in plain Python: the one-task round trip needs nothing else."""
+        last = int(done[(self.first + self.count - 1) & self.mask])
+        if abs(last) != self.first + self.count:
             return None
-        values = done[self.slots]
-        if len(values) == 1:  # the one-task round trip: the check above was the whole check
-            return values
-        return values if np.array_equal(np.abs(values), self.expect) else None
+        if self.count == 1:
+            return [] if last > 0 else [0]
+        tickets = np.arange(self.first, self.first + self.count, dtype=np.int64)
+        values = done[tickets & self.mask]
+        if not np.array_equal(np.abs(values), tickets + 1):
+            return None
+        return np.flatnonzero(values < 0).tolist() if values.min() < 0 else []
 
 
 class CudaBackend(Backend):
@@ -81,6 +85,7 @@ class CudaBackend(Backend):
             else (lambda: torch.cuda.current_stream(self.device).cuda_stream))
         torch.empty(1, device=self.device)  # torch creates (and owns) the primary context first
         self._threads = threading.local()  # which threads have our context current
+        self._streams: dict[int, cu.CUstream] = {}  # torch stream handles, wrapped for the driver
         self._open_context(device_index)
         self._allocate()
         self._lock = threading.Lock()
@@ -131,6 +136,7 @@ class CudaBackend(Backend):
     def _allocate(self) -> None:
         ring_bytes = self.config.capacity * TASK.itemsize
         self._queue = int(check(cu.cuMemAlloc(QUEUE.itemsize), "cuMemAlloc(queue)"))
+        self._tail_address = self._queue + QUEUE.fields["tail"][1]
         self._ring = int(check(cu.cuMemAlloc(ring_bytes), "cuMemAlloc(ring)"))
         self._staging = PinnedBuffer(ring_bytes, mapped=False)
         self._stage_raw = self._staging.view(RAW_TASK)
@@ -184,13 +190,11 @@ class CudaBackend(Backend):
                 raise StalledWorkerError(self.broken)
             self._wait_for_space(n)
             first = self._tail
-            tickets = np.arange(first, first + n, dtype=np.int64)
             self._after_producer()
             self._publish(batch.records.view(RAW_TASK), batch.pinned)
             if not self._pending:  # stall detection counts from the first pending batch
                 self._last_progress = time.monotonic()
-            self._pending.append(_Pending(batch, first, tickets & (self.config.capacity - 1),
-                                          tickets + 1))
+            self._pending.append(_Pending(batch, first, n, self.config.capacity - 1))
             self._ensure_worker()
             if self._parked:
                 self._wake.notify_all()
@@ -219,7 +223,10 @@ class CudaBackend(Backend):
         """Order the records after the work queued so far on the caller's current torch stream,
         which typically produced their inputs (and may still read their outputs): the tail is
         written on the copy stream, which now waits for that work."""
-        producer = cu.CUstream(self._current_stream())
+        handle = self._current_stream()
+        producer = self._streams.get(handle)
+        if producer is None:  # wrapping a handle costs a microsecond: once per stream
+            producer = self._streams[handle] = cu.CUstream(handle)
         if cu.cuStreamQuery(producer)[0] != NOT_READY:
             return  # nothing pending there: a device-side wait would only add latency
         check(cu.cuEventRecord(self._inputs_ready, producer), "cuEventRecord(inputs)")
@@ -238,7 +245,7 @@ class CudaBackend(Backend):
                 if len(piece):
                     self._copy_to_ring(at, piece, pinned)
             self._tail += len(part)
-            self._write_u64(self._queue + QUEUE.fields["tail"][1], self._tail)
+            self._write_u64(self._tail_address, self._tail)
 
     def _copy_to_ring(self, at: int, piece: np.ndarray, pinned: bool) -> None:
         """Async copy of contiguous records to ring slots at.., from where they lie when pinned,
@@ -297,16 +304,15 @@ class CudaBackend(Backend):
         finished = []
         with self._lock:
             for pending in list(self._pending):
-                values = pending.finished(self._done)
-                if values is not None:
+                failed = pending.failed(self._done)
+                if failed is not None:
                     self._pending.remove(pending)
-                    finished.append((pending.batch, values))
+                    finished.append((pending.batch, failed))
             if finished:
                 self._last_progress = time.monotonic()
                 self._wake.notify_all()
-        for batch, values in finished:
-            bad = np.flatnonzero(values < 0) if values.min() < 0 else ()
-            batch.complete({int(r): "operator slot not in the loaded image" for r in bad})
+        for batch, failed in finished:
+            batch.complete({r: "operator slot not in the loaded image" for r in failed})
         return bool(finished)
 
     def _poll_loop(self) -> None:
@@ -350,4 +356,4 @@ class CudaBackend(Backend):
             failed, self._pending = list(self._pending), collections.deque()
         log.error(self.broken)
         for pending in failed:
-            pending.batch.complete({r: self.broken for r in range(len(pending.slots))})
+            pending.batch.complete({r: self.broken for r in range(pending.count)})
