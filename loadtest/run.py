@@ -296,8 +296,10 @@ def ratios(runs: Sequence[RunSummary]) -> dict[str, float]:
 def describe(target: Target) -> dict[str, object]:
     """Where the numbers come from: backend, host, commit."""
     backend = requests.get(f"{target.url}/healthz", timeout=30).json()["backend"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                            capture_output=True).stdout.strip()
+    # $GPUOS_COMMIT first: a copied working tree (the GPU host) may carry a stale .git.
+    commit = os.environ.get("GPUOS_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+        capture_output=True).stdout.strip()
     return {"backend": backend, "url": target.url, "host": platform.node(),
             "cpus": os.cpu_count(), "commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
