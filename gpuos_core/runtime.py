@@ -187,7 +187,7 @@ class Runtime:
     def submit(self, tasks: "Sequence[Prepared] | TaskList") -> Batch:
         """Enqueue tasks as one batch, resolving each operator to the physical slot of its current
         version now. Blocks only while a swap holds submissions (milliseconds). A TaskList (see
-        `encode_batch`) can be submitted again and again without re-encoding."""
+        `encode`) can be submitted again and again without re-encoding."""
         work = tasks if isinstance(tasks, TaskList) else self.encode(tasks)
         with self._submit_lock:
             if self._closed:
@@ -206,7 +206,8 @@ class Runtime:
             only = tasks[0]
             if only.encoded is None:
                 owners = np.zeros(len(only.records), dtype=np.int32)
-                only.encoded = TaskList((only,), only.records, owners, (only.op,), owners[:1], owners)
+                only.encoded = TaskList((only,), only.records, owners, (only.op,), owners[:1],
+                                        owners)
             return only.encoded
         return encode_batch(tasks, self._backend.host_records)
 
@@ -322,23 +323,18 @@ class Runtime:
             batch.wait(max(0.0, deadline - time.monotonic()))
 
 
-def encode_batch(tasks: Sequence[Prepared],
-                 allocate: Callable[[int], np.ndarray] | None = None) -> TaskList:
-    """Concatenate prepared tasks' records into one TaskList, in `allocate(n)`'s records when given
-    (page-locked memory: see Backend.host_records). Bytewise: a structured-dtype copy costs tens
-    of microseconds per record."""
+def encode_batch(tasks: Sequence[Prepared], allocate: Callable[[int], np.ndarray]) -> TaskList:
+    """Concatenate prepared tasks' records into one TaskList, in the records `allocate(n)` gives
+    (Backend.host_records: page-locked on CUDA). Bytewise: a structured-dtype copy costs tens of
+    microseconds per record."""
     names: dict[str, int] = {}
     op_of_task = np.array([names.setdefault(t.op, len(names)) for t in tasks], dtype=np.int32)
     counts = [len(t.records) for t in tasks]
-    records = (allocate or _plain_records)(sum(counts))
+    records = allocate(sum(counts))
     np.concatenate([t.records.view(RAW_TASK) for t in tasks], out=records.view(RAW_TASK))
     owners = np.repeat(np.arange(len(tasks), dtype=np.int32), counts)
     return TaskList(tuple(tasks), records, owners, tuple(names), op_of_task, op_of_task[owners],
-                    pinned=allocate is not None)
-
-
-def _plain_records(n: int) -> np.ndarray:
-    return np.empty(n, dtype=TASK)
+                    pinned=True)
 
 
 def encode_records(task: Prepared, tile_elements: int | None) -> np.ndarray:

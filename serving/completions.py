@@ -40,6 +40,10 @@ class ModelNotFoundError(ServingError):
     """The request names a model this deployment does not serve (HTTP 404)."""
 
 
+class EngineFailedError(ServingError):
+    """The engine failed while generating (HTTP 500; the replica keeps serving)."""
+
+
 class UnsupportedParameterError(ServingError, ValueError):
     """An OpenAI parameter this server does not implement, set to a non-default value (400)."""
 
@@ -81,7 +85,7 @@ class LlmService:
         self.engine.close()
 
 
-# -- request and response bodies -----------------------------------------------------------------------
+# -- request and response bodies -------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with usage (and no choices) before [DONE]
 
@@ -93,10 +97,11 @@ class CompletionRequest(BaseModel):
 
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    temperature: float | None = Field(1.0, ge=0, le=2)
-    top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="extension: keep the k most likely tokens (0: off)")
+    # Ranges are checked once, by SamplingParams (a SamplingError names the parameter).
+    max_tokens: int | None = 16
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int = Field(0, description="extension: keep the k most likely tokens (0: off)")
     n: int = 1
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -123,14 +128,11 @@ class CompletionRequest(BaseModel):
                     f"{name}={value!r} is not supported by this server; leave it out", name)
 
     def sampling(self) -> SamplingParams:
-        """The engine's sampling parameters (SamplingError names a bad one)."""
-        return SamplingParams(max_tokens=self.max_tokens or 16, temperature=_or(self.temperature, 1.0),
-                              top_p=_or(self.top_p, 1.0), top_k=self.top_k, seed=self.seed,
-                              stop=self.stop)
-
-
-def _or(value: float | None, default: float) -> float:
-    return default if value is None else value
+        """The engine's sampling parameters; a null or absent one takes SamplingParams' default
+        (OpenAI's clients may send null). SamplingError names a bad one."""
+        given = {"max_tokens": self.max_tokens, "temperature": self.temperature,
+                 "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": self.stop}
+        return SamplingParams(**{k: v for k, v in given.items() if v is not None})
 
 
 def _prompts(prompt: Any, encode: Any) -> list[list[int]]:
@@ -147,7 +149,7 @@ def _prompts(prompt: Any, encode: Any) -> list[list[int]]:
     return prompts
 
 
-# -- routes ------------------------------------------------------------------------------------------
+# -- routes ----------------------------------------------------------------------------------------
 def completion_routes(replica: "GpuosIngress") -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["completions"])
 
@@ -190,7 +192,8 @@ async def _complete(replica: "GpuosIngress", request: Request) -> Response:
             "created": int(time.time()), "model": llm.model_id}
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_sse(replica, head, streams, usage), media_type="text/event-stream")
+        return StreamingResponse(_sse(replica, head, streams, usage),
+                                 media_type="text/event-stream")
     return JSONResponse(await _whole(replica, head, streams))
 
 
@@ -241,10 +244,6 @@ async def _sse(replica: "GpuosIngress", head: dict[str, Any], streams: list,
 
 async def _merged(streams: list) -> AsyncIterator[tuple[int, Delta]]:
     """(choice index, delta) from every stream, in arrival order."""
-    if len(streams) == 1:
-        async for delta in streams[0]:
-            yield 0, delta
-        return
     queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
 
     async def pump(index: int, stream: Any) -> None:
@@ -279,11 +278,7 @@ def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-class EngineFailedError(ServingError):
-    """The engine failed while generating (HTTP 500; the replica keeps serving)."""
-
-
-# -- OpenAI error shape ---------------------------------------------------------------------------------
+# -- OpenAI error shape ----------------------------------------------------------------------------
 def openai_error(exc: BaseException, replica: "GpuosIngress") -> JSONResponse:
     """`exc` as OpenAI's error body: 400 for bad JSON or parameters, 404 unknown model, 503 busy."""
     status = 400 if isinstance(exc, (json.JSONDecodeError, pydantic.ValidationError)) else (

@@ -128,6 +128,11 @@ class _Request:
     def cancelled(self) -> bool:
         return self.stream.cancelled
 
+    @property
+    def length(self) -> int:
+        """Tokens of the sequence so far: prompt and generated."""
+        return len(self.prompt) + len(self.generated)
+
     def pending_tokens(self) -> list[int]:
         """Tokens to feed next: the prompt (rest) first, then the last generated token."""
         return (self.prompt + self.generated)[self.cached:]
@@ -153,7 +158,6 @@ class KVPool:
         shape = (c.layers, slots, c.kv_heads, max_len, c.head_dim)
         self.keys = torch.empty(shape, dtype=w.dtype, device=w.device)
         self.values = torch.empty(shape, dtype=w.dtype, device=w.device)
-        self.max_len = max_len
         self._free = list(range(slots))[::-1]
 
     def acquire(self) -> int | None:
@@ -186,7 +190,6 @@ class Engine:
         self._lock = threading.Condition()
         self._closed = False
         self.steps = self.tokens = 0    # steps run, tokens generated (for /v1/stats)
-        self.submissions = 0            # micro-op stages run (runtime submissions)
         self._thread = threading.Thread(target=self._loop, name="gpuos-llm-engine", daemon=True)
         self._thread.start()
 
@@ -361,7 +364,6 @@ class Engine:
 
     def _run(self, calls: Sequence[OpCall]) -> list[torch.Tensor]:
         """One stage: independent micro-ops, as one runtime submission (or torch launches)."""
-        self.submissions += 1
         if self.config.micro_ops == "torch":
             return [_into(call, run_reference(CATALOGUE[call.op], call)) for call in calls]
         batch = self.runtime.submit([self.runtime.prepare(call) for call in calls])
@@ -381,7 +383,7 @@ class Engine:
     def _scatter(self, rows: _Rows, logits: torch.Tensor) -> None:
         """Advance every request of the step: those that fed their last pending row get a token."""
         ready = [i for i, (r, (_, n)) in enumerate(zip(rows.requests, rows.spans))
-                 if len(r.pending_tokens()) == n]
+                 if r.cached + n == r.length]
         for r, (_, n) in zip(rows.requests, rows.spans):
             r.cached += n
         if not ready:
@@ -415,7 +417,7 @@ class Engine:
         text, stopped = r.stops.feed(r.detok.push(token))
         if stopped:
             self._finish(r, text, "stop")
-        elif len(r.generated) >= r.params.max_tokens or len(r.prompt) + len(r.generated) >= self.max_len:
+        elif len(r.generated) >= r.params.max_tokens or r.length >= self.max_len:
             self._finish(r, text + r.stops.flush(), "length")
         elif text:
             r.stream.put(Delta(text, None, len(r.prompt), len(r.generated)))

@@ -22,10 +22,14 @@ INCOMPLETE = "\ufffd"           # what decode shows for a UTF-8 sequence that la
 class SamplingError(GpuosError, ValueError):
     """Sampling parameters out of range, or a batch whose logits, params and generators disagree."""
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param  # the offending parameter's name (an API error reports it)
+        super().__init__(message)
+
 
 def _require(ok: bool, field: str, allowed: str, value: Any) -> None:
     if not ok:
-        raise SamplingError(f"{field} must be {allowed}, got {value!r}")
+        raise SamplingError(f"{field} must be {allowed}, got {value!r}", field)
 
 
 def _is_int(value: Any) -> bool:
