@@ -1,4 +1,5 @@
-"""Micro-benchmarks of the GPUOS runtime on a CUDA device, each figure beside its baselines measured
+"""Micro-benchmarks of the GPUOS runtime on a CUDA device (elementwise batches, a fused chain,
+attention decode, round trips, device programs, hot swap), each figure beside its baselines measured
 in the same run (DESIGN.md "Baselines"). Writes micro.json (device, driver, commit, date, a flat
 summary and every table) to --out and prints a short table last.
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from gpuos_core import CudaConfig, OpCall, Runtime, RuntimeConfig
 from gpuos_core.calls import Prepared
+from gpuos_core.program import Program
 
 faulthandler.dump_traceback_later(400, exit=True)
 DEV = torch.device("cuda")
@@ -319,6 +321,111 @@ def occupancy(reps: int) -> list[dict]:
     return rows
 
 
+def dependent_chain(rt: Runtime, n: int, reps: int) -> dict:
+    """(f) n dependent add(1024 fp32) tasks: one device program vs one submission per task vs
+    torch eager vs CUDA-graph replay of the same torch ops. The cost of an edge is the program's
+    time per task beyond the first, the dependent task's own run included."""
+    x = torch.randn(1024, device=DEV)
+    outs = [torch.empty_like(x) for _ in range(n)]
+
+    def call(k: int) -> OpCall:
+        return OpCall("add", (outs[k - 1] if k else x, x), out=outs[k])
+
+    def launches() -> None:
+        for k in range(n):
+            torch.add(*call(k).inputs, out=outs[k])
+
+    def program_of(count: int) -> Program:
+        build = rt.program()
+        for k in range(count):
+            build.add(call(k))
+        return build.build()
+
+    program, single = program_of(n), program_of(1)
+    staged = [rt.encode([rt.prepare(call(k))]) for k in range(n)]
+
+    def per_stage() -> None:
+        for work in staged:  # each task reads the one before: a submit and a wait each
+            rt.submit(work).wait(60)
+
+    outs[-1].fill_(float("nan"))
+    ms = times_ms(lambda: rt.submit(program).wait(60), reps)
+    result = {"n": n, "program_ms": med(ms), "program_p99_ms": p99(ms),
+              "correct": bool(torch.allclose(outs[-1], x * (n + 1), rtol=1e-4, atol=1e-3)),
+              "program1_ms": med(times_ms(lambda: rt.submit(single).wait(60), 5 * reps)),
+              "per_stage_submit_ms": med(times_ms(per_stage, max(2, reps // 2))),
+              "eager_ms": med(times_ms(lambda: (launches(), sync()), reps)),
+              "graph_ms": med(times_ms(graph_of(launches), reps))}
+    result["edge_us"] = 1e3 * (result["program_ms"] - result["program1_ms"]) / (n - 1)
+    print(f"(f) chain of {n}: {result}", flush=True)
+    return result
+
+
+def layered(rt: Runtime, layers: int, stages: int, width: int, reps: int) -> dict:
+    """(g) layers x stages x width small tasks (1024 fp32): task (s, i) of an even stage adds
+    results i and i+1 of the stage before (fan-in 2), of an odd stage takes its sigmoid. One
+    program vs one submission per stage vs torch eager vs CUDA-graph replay of the torch ops."""
+    depth = layers * stages
+    first = torch.randn(width, 1024, device=DEV)
+    cur = [torch.empty(depth, 1024, device=DEV) for _ in range(width)]
+    steps = []  # (op, inputs, out) in program order
+    for s in range(depth):
+        prev = [first[i] for i in range(width)] if s == 0 else [cur[i][s - 1] for i in range(width)]
+        for i in range(width):
+            args = (prev[i], prev[(i + 1) % width]) if s % 2 == 0 else (prev[i],)
+            steps.append(("add" if s % 2 == 0 else "sigmoid", args, cur[i][s]))
+
+    def launches() -> None:
+        for op, args, out in steps:
+            getattr(torch, op)(*args, out=out)
+
+    started = time.perf_counter()
+    build = rt.program()
+    for op, args, out in steps:
+        build.add(OpCall(op, args, out=out))
+    program = build.build()
+    build_ms = 1e3 * (time.perf_counter() - started)
+    staged = [rt.encode([rt.prepare(OpCall(op, args, out=out))
+                         for op, args, out in steps[s * width:(s + 1) * width]])
+              for s in range(depth)]
+
+    def per_stage() -> None:
+        for work in staged:
+            rt.submit(work).wait(60)
+
+    launches()
+    sync()
+    want = torch.stack([c[-1] for c in cur]).clone()
+    for c in cur:
+        c.fill_(float("nan"))
+    ms = times_ms(lambda: rt.submit(program).wait(60), reps)
+    result = {"layers": layers, "stages": stages, "width": width, "tasks": len(steps),
+              "records": len(program.tasks.records), "build_ms": build_ms,
+              "program_ms": med(ms), "program_p99_ms": p99(ms),
+              "correct": bool(torch.equal(torch.stack([c[-1] for c in cur]), want)),
+              "per_stage_submit_ms": med(times_ms(per_stage, reps)),
+              "eager_ms": med(times_ms(lambda: (launches(), sync()), reps)),
+              "graph_ms": med(times_ms(graph_of(launches), reps))}
+    print(f"(g) layered DAG: {result}", flush=True)
+    return result
+
+
+def program_claims(claims: list[int], reps: int) -> list[dict]:
+    """(f) and (g) again with each claim limit for programs (CudaConfig.program_claim): fewer
+    records per claim spread a program's parallel tasks over more blocks at the cost of more
+    contended claims."""
+    rows = []
+    for claim in claims:
+        config = RuntimeConfig(backend="cuda", cuda=CudaConfig(program_claim=claim))
+        with Runtime(config=config) as rt:
+            chain_ms = dependent_chain(rt, 1000, reps)
+            dag = layered(rt, 12, 8, 64, reps)
+        rows.append({"program_claim": claim, "chain1000_ms": chain_ms["program_ms"],
+                     "edge_us": chain_ms["edge_us"], "layered_ms": dag["program_ms"],
+                     "graph_over_layered": dag["graph_ms"] / dag["program_ms"]})
+    return rows
+
+
 def describe() -> dict:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
@@ -332,6 +439,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--occupancy", action="store_true", help="also 2 and 4 blocks per SM")
+    parser.add_argument("--program-claims", default="",
+                        help="comma-separated program claim limits to rerun (f) and (g) with")
     args = parser.parse_args()
     reps = 3 if args.quick else 7
     with Runtime("cuda") as rt:
@@ -341,10 +450,15 @@ def main() -> None:
         result["chain"] = chain(rt, 1000, 2048, reps)
         result["attention"] = attention(rt, [1, 8, 32, 64], 32, 128, reps)
         result["roundtrip"] = roundtrip(rt, [1, 8, 64], 300)
+        result["program_chain"] = dependent_chain(rt, 1000, reps)
+        result["program_layered"] = layered(rt, 12, 8, 64, reps)
         result["swap"] = swap(rt, 5)
         result["driver_call_us"] = driver_call_us()
     if args.occupancy:
         result["blocks_per_sm"] = occupancy(reps)
+    if args.program_claims:
+        result["program_claims"] = program_claims([int(c) for c in args.program_claims.split(",")],
+                                                  reps)
     mul = next(r for r in result["elementwise"] if r["size"] == 1024)
     one = result["roundtrip"][0]
     result["summary"] = {
@@ -353,7 +467,15 @@ def main() -> None:
         "runtime_over_floor": mul["runtime_ms"] / mul["floor_ms"],
         "roundtrip1_p50_us": one["p50_us"], "roundtrip1_p99_us": one["p99_us"],
         "submit1_p50_us": one["submit_only_p50_us"],
-        "swap_pause_ms": result["swap"]["pause_ms"], "rollback_us": result["swap"]["rollback_us"]}
+        "swap_pause_ms": result["swap"]["pause_ms"], "rollback_us": result["swap"]["rollback_us"],
+        "program_chain1000_ms": result["program_chain"]["program_ms"],
+        "edge_us": result["program_chain"]["edge_us"],
+        "program_layered_ms": result["program_layered"]["program_ms"],
+        "graph_layered_ms": result["program_layered"]["graph_ms"],
+        "graph_over_program_layered": (result["program_layered"]["graph_ms"]
+                                       / result["program_layered"]["program_ms"]),
+        "stages_over_program_layered": (result["program_layered"]["per_stage_submit_ms"]
+                                        / result["program_layered"]["program_ms"])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "micro.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))

@@ -16,15 +16,25 @@ typedef unsigned long long uint64_t;
 #include <stdint.h>
 #endif
 
-#define GPUOS_ABI_VERSION 1
+#define GPUOS_ABI_VERSION 2
 #define GPUOS_MAX_DIMS 6
-#define GPUOS_MAX_INPUTS 3
+#define GPUOS_MAX_INPUTS 4
 #define GPUOS_MAX_SCALARS 4
+#define GPUOS_MAX_WAITS 2
 
-/* Element types; every operator computes in fp32 whatever it loads and stores. */
+/* Element types; every operator computes in fp32 whatever floats it loads and stores. */
 #define GPUOS_DTYPE_F32 0
 #define GPUOS_DTYPE_F16 1
 #define GPUOS_DTYPE_BF16 2
+/* Index tensors (per-run lengths, positions, slots read on the device); only inputs an operator
+ * documents as indices may have it. */
+#define GPUOS_DTYPE_I32 3
+
+/* No event: a wait or signal field that is unused. */
+#define GPUOS_NO_EVENT (-1)
+/* op_slot of a record that runs no operator: it only waits and signals (a join of more events
+ * than one record can wait for). */
+#define GPUOS_OP_NOP (-2)
 
 
 /* A strided view of one tensor. Element (i0, ..., i{ndim-1}) lives at
@@ -39,15 +49,25 @@ typedef struct GpuosTensorRef {
 } GpuosTensorRef;
 
 /* One unit of work. Its operator is the physical slot resolved on the host at enqueue time, so a
- * task keeps the operator version that was active when it was submitted. */
+ * task keeps the operator version that was active when it was submitted.
+ *
+ * Dependencies (device programs): `events` points at the submission's array of uint32 counters in
+ * device memory, zeroed before the submission is published. A record runs only once, for every
+ * k with wait[k] != GPUOS_NO_EVENT, counter wait[k] has reached wait_count[k]; when it finishes
+ * (its writes fenced) it adds one to counter `signal`. Every record that signals an event a record
+ * waits for comes before it in submission order (the host checks this when it builds a program),
+ * which is what makes waiting safe: see gpuos_worker.cu. */
 typedef struct GpuosTask {
-  int32_t op_slot;                  /* index into the image's jump table */
+  int32_t op_slot;                  /* index into the image's jump table, or GPUOS_OP_NOP */
   int32_t num_inputs;               /* inputs used in in[] */
   uint32_t reduce_mask;             /* reductions: bit d set = reduce over dim d of in[0] */
-  int32_t reserved;                 /* 0; keeps range_begin 8-byte aligned */
+  int32_t signal;                   /* event counter to increment when done, or GPUOS_NO_EVENT */
   int64_t range_begin;              /* first work item (output element, or row) of this task */
   int64_t range_end;                /* one past its last work item; tiles split one op */
   float scalars[GPUOS_MAX_SCALARS]; /* operator parameters (eps, slope, scale, ...) */
+  uint64_t events;                  /* address of the submission's uint32 counters; 0: none used */
+  int32_t wait[GPUOS_MAX_WAITS];    /* event counters to wait for, or GPUOS_NO_EVENT */
+  uint32_t wait_count[GPUOS_MAX_WAITS]; /* ... until each reaches this count */
   GpuosTensorRef out;
   GpuosTensorRef in[GPUOS_MAX_INPUTS];
 } GpuosTask;
@@ -57,6 +77,8 @@ typedef struct GpuosQueue {
   uint64_t tail;  /* records published; written by the host in stream order, after their copy */
   uint64_t head;  /* records claimed by worker blocks (compare-and-swap, never past tail) */
   uint64_t stop;  /* nonzero: blocks exit once nothing is left to claim (quiesce before a load) */
+  uint64_t claim; /* most records a block claims at once (1..GPUOS_MAX_CLAIM of the worker): the
+                     host lowers it, in stream order, while dependent programs are queued */
 } GpuosQueue;
 
 /* Every operator version is a device function with this signature, run by all threads of one

@@ -74,9 +74,15 @@ __device__ __forceinline__ unsigned short gpuos_f32_to_bf16(float f) {
   return b;
 }
 
+/* `v` rounded to a float `dtype` and widened back: what storing it and loading it again reads. */
+__device__ __forceinline__ float gpuos_round_to(int dtype, float v) {
+  if (dtype == GPUOS_DTYPE_F16) return gpuos_f16_to_f32(gpuos_f32_to_f16(v));
+  return dtype == GPUOS_DTYPE_BF16 ? gpuos_bf16_to_f32(gpuos_f32_to_bf16(v)) : v;
+}
+
 /* ---- loads and stores ----------------------------------------------------------------------- */
 
-/* Bytes per element of a GPUOS_DTYPE_* (an unknown code reads as f32, as in the loads). */
+/* Bytes per element of a GPUOS_DTYPE_* (4 for I32; an unknown code reads as f32, as in the loads). */
 __device__ __forceinline__ int gpuos_dtype_size(int dtype) {
   return dtype == GPUOS_DTYPE_F16 || dtype == GPUOS_DTYPE_BF16 ? 2 : 4;
 }
@@ -101,6 +107,12 @@ __device__ __forceinline__ float gpuos_load_ptr(const char* p, int dtype) {
   const float f16 = gpuos_f16_to_f32(static_cast<unsigned short>(bits));
   return dtype == GPUOS_DTYPE_F16 ? f16
                                   : __uint_as_float(dtype == GPUOS_DTYPE_BF16 ? bits << 16 : bits);
+}
+
+/* The GPUOS_DTYPE_I32 index (a length, position or row number) at byte address `p`. Indices live
+ * in device tensors that earlier tasks or the host rewrite between runs, hence the L1 bypass. */
+__device__ __forceinline__ int gpuos_load_i32(const char* p) {
+  return static_cast<int>(gpuos_ld_u32(p));
 }
 
 /* Store fp32 `v` at byte address `p` as `dtype`, rounding to nearest even; branch-free too. */
@@ -141,10 +153,10 @@ __device__ __forceinline__ bool gpuos_aligned4(const GpuosTensorRef& ref, int64_
   return (reinterpret_cast<unsigned long long>(gpuos_ptr(ref, off)) & (bytes - 1)) == 0;
 }
 
-/* Elements off .. off + 3 of a contiguous `ref` with one vector load (gpuos_aligned4 must hold). */
-__device__ __forceinline__ void gpuos_load4(const GpuosTensorRef& ref, int64_t off, float (&v)[4]) {
-  const char* p = gpuos_ptr(ref, off);
-  if (ref.dtype == GPUOS_DTYPE_F32) {
+/* The 4 contiguous elements of `dtype` at byte address `p` (aligned to 4 elements) with one
+ * vector load. */
+__device__ __forceinline__ void gpuos_load4_ptr(const char* p, int dtype, float (&v)[4]) {
+  if (dtype == GPUOS_DTYPE_F32) {
     const float4 f = __ldcg(reinterpret_cast<const float4*>(p));
     v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
     return;
@@ -153,8 +165,13 @@ __device__ __forceinline__ void gpuos_load4(const GpuosTensorRef& ref, int64_t o
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const unsigned short h = static_cast<unsigned short>((j < 2 ? w.x : w.y) >> (16 * (j & 1)));
-    v[j] = ref.dtype == GPUOS_DTYPE_F16 ? gpuos_f16_to_f32(h) : gpuos_bf16_to_f32(h);
+    v[j] = dtype == GPUOS_DTYPE_F16 ? gpuos_f16_to_f32(h) : gpuos_bf16_to_f32(h);
   }
+}
+
+/* Elements off .. off + 3 of a contiguous `ref` with one vector load (gpuos_aligned4 must hold). */
+__device__ __forceinline__ void gpuos_load4(const GpuosTensorRef& ref, int64_t off, float (&v)[4]) {
+  gpuos_load4_ptr(gpuos_ptr(ref, off), ref.dtype, v);
 }
 
 /* Store v into elements off .. off + 3 of a contiguous `ref` with one vector store. */
@@ -329,6 +346,29 @@ template <class G, class F>
 __device__ __forceinline__ void gpuos_row_each(const GpuosRow& row, int64_t n, F f) {
   const auto at = [&](int64_t j) { return row.p + j * row.step; };
   gpuos_each(G::rank(), n, G::size(), row.dtype, at, f);
+}
+
+/* gpuos_row_each over two rows of the same length together: f(j, a[j], b[j]), with the loads of
+ * both rows GPUOS_ILP at a time in flight (past the end, element first is loaded and f is not
+ * called). f may store to a[j] or b[j]: both are loaded first. */
+template <class G, class F>
+__device__ __forceinline__ void gpuos_row_each2(const GpuosRow& a, const GpuosRow& b, int64_t n,
+                                                F f) {
+  const int64_t first = G::rank(), step = G::size();
+  GPUOS_ROLLED
+  for (int64_t k0 = first; k0 < n; k0 += GPUOS_ILP * step) {
+    float va[GPUOS_ILP], vb[GPUOS_ILP];
+#pragma unroll
+    for (int u = 0; u < GPUOS_ILP; ++u) {
+      const int64_t k = k0 + u * step < n ? k0 + u * step : first;
+      va[u] = a.load(k);
+      vb[u] = b.load(k);
+    }
+#pragma unroll
+    for (int u = 0; u < GPUOS_ILP; ++u) {
+      if (k0 + u * step < n) f(k0 + u * step, va[u], vb[u]);
+    }
+  }
 }
 
 /* ---- reductions ----------------------------------------------------------------------------- */

@@ -11,7 +11,22 @@
  *
  * Memory: descriptors and tensors are read with L1-bypassing loads (ld.global.cg): within one
  * long-lived launch an SM's L1 is never invalidated, and ring slots and torch's reused buffers
- * change under it. */
+ * change under it.
+ *
+ * Dependencies (device programs, see gpuos_abi.h): before a record runs, thread 0 waits until each
+ * event it names has reached its count; after it ran, thread 0 fences the block's writes and adds
+ * one to the event it signals. Why waiting cannot deadlock:
+ *   - records are claimed strictly in ticket order (head only grows, by compare-and-swap), and a
+ *     record only waits for events signalled by records with smaller tickets (the host builds
+ *     programs that way), so every record a claimed record waits for is itself already claimed;
+ *   - a block runs its claimed records in ticket order and never exits while it holds one (it
+ *     exits only from gpuos_claim, between claims): lease and idle limits end a block only there;
+ *   - claims are made only by blocks that are running, and a running block stays resident.
+ * So the unfinished record with the smallest ticket waits for nothing unfinished: it is claimed,
+ * its block is running it or the finished records before it, and it completes. By induction, all
+ * claimed records complete, whatever the grid size and however many blocks are resident. Records
+ * published later (a program larger than the ring goes in as space frees) only wait for earlier
+ * ones, and unclaimed ones are taken by the next lease's launch. */
 #include "gpuos_device.cuh"
 
 extern "C" __device__ GpuosOpFn gpuos_jump_table[];
@@ -29,10 +44,12 @@ __device__ __forceinline__ unsigned long long gpuos_acquire(const unsigned long 
   return v;
 }
 
-/* Records one block claims at once when many are waiting. Each claim is a compare-and-swap on one
- * word that all blocks contend for: 10k one-record tasks in claims of ~3 spent most of a
- * millisecond serialised on it, so claim a fair share up to 16 (load balance costs at most 16
- * records of one block's time at the end). */
+/* Most records one block claims at once when many are waiting (the queue's `claim` may be lower).
+ * Each claim is a compare-and-swap on one word that all blocks contend for: 10k one-record tasks
+ * in claims of ~3 spent most of a millisecond serialised on it, so claim a fair share up to 16
+ * (load balance costs at most 16 records of one block's time at the end). Records of a claim run
+ * one after the other, so while dependent programs are queued the host asks for smaller claims
+ * (parallel tasks then spread over more blocks, at the cost of more contended claims). */
 #define GPUOS_MAX_CLAIM 16
 
 /* Claims the next published records for this block: sets *first and returns how many (at least
@@ -46,9 +63,10 @@ __device__ int gpuos_claim(GpuosQueue* q, unsigned long long started, unsigned l
     if (now - started > lease_ns) return 0;
     const unsigned long long tail = gpuos_acquire(&q->tail);
     const unsigned long long head = *reinterpret_cast<volatile unsigned long long*>(&q->head);
+    const unsigned long long max_claim = *reinterpret_cast<volatile unsigned long long*>(&q->claim);
     if (head < tail) {
       const unsigned long long share = (tail - head) / gridDim.x;
-      const int take = static_cast<int>(share < 1 ? 1 : (share > GPUOS_MAX_CLAIM ? GPUOS_MAX_CLAIM : share));
+      const int take = static_cast<int>(share < 1 ? 1 : (share > max_claim ? max_claim : share));
       if (atomicCAS(&q->head, head, head + take) == head) {
         *first = static_cast<long long>(head);
         return take;
@@ -73,12 +91,80 @@ __device__ void gpuos_fetch(const GpuosTask* ring, unsigned long long mask, long
   __syncthreads();
 }
 
-/* Runs one fetched record with all threads of the block. Returns whether its op_slot was valid. */
-__device__ bool gpuos_run(const GpuosTask* task) {
+__device__ __forceinline__ unsigned int gpuos_acquire_u32(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+/* What thread 0 of a block knows of one event without asking memory: its counter has reached at
+ * least `count`. Learnt from its own signals and from what its waits observed; reset at each
+ * claim, because a program's counters are zeroed between runs and a claim never holds records of
+ * two runs of one program (the host publishes a run only after the previous one completed). */
+struct GpuosKnown {
+  unsigned long long events;
+  int event;
+  unsigned int count;
+
+  __device__ __forceinline__ bool covers(unsigned long long e, int k, unsigned int n) const {
+    return events == e && event == k && count >= n;
+  }
+};
+
+/* Blocks until every event `task` waits for has reached its count. Thread 0 polls with acquire
+ * loads, all of a record's waits in flight together, so the writes the producers released are
+ * visible to it; the barrier then orders every other thread's loads after its observation (as a
+ * grid barrier does). Tasks read their inputs with L1-bypassing loads, so no stale line can be
+ * served. A wait `known` already covers (a producer earlier in this block's claim) costs no load. */
+__device__ __forceinline__ void gpuos_wait_events(const GpuosTask* task, GpuosKnown& known) {
+  if (task->events == 0) return; /* uniform over the block: the task is in shared memory */
+  if (threadIdx.x == 0) {
+    const unsigned int* events = reinterpret_cast<const unsigned int*>(task->events);
+    bool need[GPUOS_MAX_WAITS];
+#pragma unroll
+    for (int k = 0; k < GPUOS_MAX_WAITS; ++k)
+      need[k] = task->wait[k] != GPUOS_NO_EVENT &&
+                !known.covers(task->events, task->wait[k], task->wait_count[k]);
+    for (;;) {
+      unsigned int seen[GPUOS_MAX_WAITS];
+      bool ready = true;
+#pragma unroll
+      for (int k = 0; k < GPUOS_MAX_WAITS; ++k)
+        seen[k] = need[k] ? gpuos_acquire_u32(events + task->wait[k]) : 0u;
+#pragma unroll
+      for (int k = 0; k < GPUOS_MAX_WAITS; ++k) ready = ready && (!need[k] || seen[k] >= task->wait_count[k]);
+      if (ready) {
+        if (need[0]) known = GpuosKnown{task->events, task->wait[0], seen[0]};
+        break;
+      }
+      __nanosleep(32);
+    }
+  }
+  __syncthreads();
+}
+
+/* Adds one to the event `task` signals, releasing every thread's writes (the caller's barrier
+ * made them visible to thread 0, and a release is cumulative): a consumer whose acquire sees the
+ * count sees the outputs. Thread 0 only. */
+__device__ __forceinline__ void gpuos_signal(const GpuosTask* task, GpuosKnown& known) {
+  if (task->events == 0 || task->signal == GPUOS_NO_EVENT) return;
+  unsigned int* counter = reinterpret_cast<unsigned int*>(task->events) + task->signal;
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
+  const bool same = known.events == task->events && known.event == task->signal;
+  known = GpuosKnown{task->events, task->signal, same ? known.count + 1 : 1u};
+}
+
+/* Runs one fetched record with all threads of the block: waits for its events, runs its operator
+ * (none for GPUOS_OP_NOP), signals. Returns whether its op_slot was valid. A record with a bad
+ * slot still signals, so records that wait for it fail with it instead of hanging. `known` is
+ * thread 0's. */
+__device__ bool gpuos_run(const GpuosTask* task, GpuosKnown& known) {
+  gpuos_wait_events(task, known);
   const int slot = task->op_slot;
-  const bool valid = slot >= 0 && slot < gpuos_jump_table_size;
-  if (valid) gpuos_jump_table[slot](task);
+  const bool valid = slot == GPUOS_OP_NOP || (slot >= 0 && slot < gpuos_jump_table_size);
+  if (valid && slot != GPUOS_OP_NOP) gpuos_jump_table[slot](task);
   __syncthreads(); /* operators reuse static shared memory: the next one starts after this one */
+  if (threadIdx.x == 0) gpuos_signal(task, known);
   return valid;
 }
 
@@ -94,14 +180,16 @@ extern "C" __global__ void gpuos_worker(GpuosQueue* q, const GpuosTask* ring, un
   const unsigned long long started = gpuos_now_ns();
   unsigned long long idle_since = started;
   for (;;) {
-    if (threadIdx.x == 0) count = gpuos_claim(q, started, idle_since, idle_ns, lease_ns, &first);
+    if (threadIdx.x == 0)
+      count = gpuos_claim(q, started, idle_since, idle_ns, lease_ns, &first);
     __syncthreads();
     const int n = count;
     const long long t0 = first;
     if (n == 0) return;
     gpuos_fetch(ring, mask, t0, n, tasks);
     unsigned int invalid = 0; /* bit k: record t0 + k had a bad slot (thread 0's copy is used) */
-    for (int k = 0; k < n; ++k) invalid |= gpuos_run(tasks + k) ? 0u : 1u << k;
+    GpuosKnown known = {0ull, GPUOS_NO_EVENT, 0u};
+    for (int k = 0; k < n; ++k) invalid |= gpuos_run(tasks + k, known) ? 0u : 1u << k;
     if (threadIdx.x == 0) {
       __threadfence_system(); /* outputs visible before the completions that announce them */
       for (int k = 0; k < n; ++k) {

@@ -12,13 +12,18 @@ import torch
 
 from .errors import TensorSpecError
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_DIMS = 6
-MAX_INPUTS = 3
+MAX_INPUTS = 4
 MAX_SCALARS = 4
+MAX_WAITS = 2
+NO_EVENT = -1
+OP_NOP = -2
 
-# GPUOS_DTYPE_* codes, and the torch dtypes the runtime accepts.
-DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# GPUOS_DTYPE_* codes, and the torch dtypes the runtime accepts (int32 only as an operator's index
+# input: the catalogue checks which inputs may be indices).
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2,
+                                       torch.int32: 3}
 CODE_DTYPES: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 TENSOR_REF = np.dtype(
@@ -38,10 +43,13 @@ TASK = np.dtype(
         ("op_slot", "<i4"),
         ("num_inputs", "<i4"),
         ("reduce_mask", "<u4"),
-        ("reserved", "<i4"),
+        ("signal", "<i4"),
         ("range_begin", "<i8"),
         ("range_end", "<i8"),
         ("scalars", "<f4", (MAX_SCALARS,)),
+        ("events", "<u8"),
+        ("wait", "<i4", (MAX_WAITS,)),
+        ("wait_count", "<u4", (MAX_WAITS,)),
         ("out", TENSOR_REF),
         ("in", TENSOR_REF, (MAX_INPUTS,)),
     ],
@@ -50,7 +58,8 @@ TASK = np.dtype(
 # The same bytes as one opaque item: copying records this way is a memcpy, not a field walk.
 RAW_TASK = np.dtype((np.void, TASK.itemsize))
 
-QUEUE = np.dtype([("tail", "<u8"), ("head", "<u8"), ("stop", "<u8")], align=True)
+QUEUE = np.dtype([("tail", "<u8"), ("head", "<u8"), ("stop", "<u8"), ("claim", "<u8")],
+                 align=True)
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -64,9 +73,11 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 # TASK packed field by field in one call: numpy's structured-field writes cost ~40 us a record.
 _REF_FORMAT = f"Qq{MAX_DIMS}q{MAX_DIMS}qii"
-TASK_STRUCT = struct.Struct(f"<iiIiqq{MAX_SCALARS}f" + _REF_FORMAT * (1 + MAX_INPUTS))
+TASK_STRUCT = struct.Struct(f"<iiIiqq{MAX_SCALARS}fQ{MAX_WAITS}i{MAX_WAITS}I"
+                            + _REF_FORMAT * (1 + MAX_INPUTS))
 assert TASK_STRUCT.size == TASK.itemsize, "TASK_STRUCT must mirror TASK"
 _NO_TENSOR = (0, 0) + (0,) * (2 * MAX_DIMS) + (0, 0)
+_NO_DEPS = (0,) + (NO_EVENT,) * MAX_WAITS + (0,) * MAX_WAITS  # events, wait[], wait_count[]
 
 
 def tensor_fields(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -82,8 +93,8 @@ def tensor_fields(tensor: torch.Tensor) -> tuple[int, ...]:
 def encode_task(records: np.ndarray, ranges: list[tuple[int, int]], out: torch.Tensor,
                 inputs: tuple[torch.Tensor, ...], scalars: tuple[float, ...] = (),
                 reduce_mask: int = 0) -> None:
-    """Fill TASK records[i] for each work-item range [begin, end) of one task; op_slot is left
-    0 for submit to resolve."""
+    """Fill TASK records[i] for each work-item range [begin, end) of one task, with no event to
+    wait for or signal (a Program adds those); op_slot is left 0 for submit to resolve."""
     if len(inputs) > MAX_INPUTS or len(scalars) > MAX_SCALARS:
         raise TensorSpecError(f"a task takes at most {MAX_INPUTS} inputs and {MAX_SCALARS} "
                               f"scalars, got {len(inputs)} and {len(scalars)}")
@@ -92,8 +103,8 @@ def encode_task(records: np.ndarray, ranges: list[tuple[int, int]], out: torch.T
     scalars = tuple(scalars) + (0.0,) * (MAX_SCALARS - len(scalars))
     raw = records.view(np.uint8)
     for i, (begin, end) in enumerate(ranges):
-        TASK_STRUCT.pack_into(raw, i * TASK.itemsize, 0, len(inputs), reduce_mask, 0, begin, end,
-                              *scalars, *refs)
+        TASK_STRUCT.pack_into(raw, i * TASK.itemsize, 0, len(inputs), reduce_mask, NO_EVENT,
+                              begin, end, *scalars, *_NO_DEPS, *refs)
 
 
 def ref_shape(ref: np.void) -> tuple[int, ...]:

@@ -23,12 +23,15 @@ class Batch:
     """
 
     def __init__(self, tasks: Sequence[Prepared], records: np.ndarray, owners: np.ndarray,
-                 versions: np.ndarray | Sequence[int], pinned: bool = False) -> None:
+                 versions: np.ndarray | Sequence[int], pinned: bool = False,
+                 events: torch.Tensor | None = None) -> None:
         self.tasks = tuple(tasks)            # validated tasks, with their outputs
         self.records = records               # ABI records as submitted (TASK dtype), tiles included
         self.owners = owners                 # record index → index of the task it belongs to
         self._versions = versions            # operator version of each task, resolved at submit
         self.pinned = pinned                 # records are in Backend.host_records memory
+        self.events = events                 # a program's event counters: the backend zeroes
+                                             # them before publishing any record
         self.status = np.zeros(len(tasks), dtype=np.int32)  # STATUS_PENDING (0), _DONE, < 0: error
         self.errors: dict[int, str] = {}     # task index → message, for failed tasks
         # Completion latch: held from creation until complete(). A Lock, not an Event, because

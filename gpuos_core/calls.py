@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from .runtime import TaskList
+    from .families import Family
+    from .tasklist import TaskList
 
 
 @dataclass(frozen=True)
@@ -43,5 +44,7 @@ class Prepared:
     inputs: tuple[torch.Tensor, ...]          # views encoded as task.in (broadcasts expanded)
     params: Params                            # scalars and reduced dims
     items: int                                # work items (elements or rows) the task covers
+    kind: "Family"                            # its operator's family (cuts the items into records)
+    inputs_written: tuple[int, ...] = ()      # inputs the operator also writes in place
     records: np.ndarray | None = None         # its ABI records (one per tile), op_slot unresolved
     encoded: Optional["TaskList"] = None      # it alone as a TaskList, made by its first submit

@@ -153,10 +153,15 @@ def _builtin() -> dict[str, OpSpec]:
         _fixed("log_softmax", "log_softmax", 1, 1),
         _fixed("layernorm", "layernorm", 3, 1, P("eps", 1e-5)),
         _fixed("rmsnorm", "rmsnorm", 2, 1, P("eps", 1e-6)),
+        _fixed("add_layernorm", "add_layernorm", 4, 2, P("eps", 1e-5)),  # x += y; layernorm(x)
+        _fixed("add_rmsnorm", "add_rmsnorm", 3, 2, P("eps", 1e-6)),      # x += y; rmsnorm(x)
         _fixed("sum", "sum", 1, 1),
         _fixed("mean", "mean", 1, 1),
-        _fixed("rotary", "rotary", 3, 3),
-        _fixed("attention_decode", "attention_decode", 3, 3, P("scale")),
+        _fixed("rotary", "rotary", 4, 3),  # [, positions]
+        _fixed("attention_decode", "attention_decode", 4, 3, P("scale")),  # [, lengths]
+        _fixed("scatter_rows", "scatter_rows", 2, 2),
+        _fixed("sample_tokens", "sample_tokens", 3, 3),
+        _fixed("linear", "linear", 3, 2),  # x @ weight.T [+ bias]
     ]
     return {s.name: s for s in specs}
 
@@ -167,20 +172,22 @@ CATALOGUE: Mapping[str, OpSpec] = _builtin()
 def prepare(spec: OpSpec, call: OpCall, device: torch.device) -> Prepared:
     """Validate `call` against `spec` and lay it out for encoding; allocates the output if needed."""
     _check_inputs(spec, call.inputs, device)
-    lay = spec.kind.layout(call.inputs, call.dims, call.keepdim)
+    lay = spec.kind.fit_out(spec.kind.layout(call.inputs, call.dims, call.keepdim), call.out)
     scalars = _scalars(spec, call.scalars, call.inputs)
-    out = _output(call, lay.out_shape, device)
+    out = _output(call, lay.out_shape, device, spec.kind.out_dtype)
     out_ref = out
     if lay.ref_shape != lay.out_shape:  # reductions without keepdim: re-insert the reduced dims
         for d in lay.reduce_dims:
             out_ref = out_ref.unsqueeze(d)
-    return Prepared(spec.name, out, out_ref, lay.inputs, Params(scalars, lay.reduce_dims), lay.items)
+    return Prepared(spec.name, out, out_ref, lay.inputs, Params(scalars, lay.reduce_dims), lay.items,
+                    spec.kind, inputs_written=spec.kind.inputs_written)
 
 
 def run_reference(spec: OpSpec, call: OpCall) -> torch.Tensor:
     """`call` computed by `spec`'s torch reference directly, without layout checks or encoding:
     what launching the micro-op with torch costs (a baseline). Inputs must already agree."""
-    return spec.check_reference(call.inputs, Params(_scalars(spec, call.scalars, call.inputs)))
+    xs = call.inputs + ((call.out,) if spec.kind.updates_out else ())
+    return spec.check_reference(xs, Params(_scalars(spec, call.scalars, call.inputs)))
 
 
 def _check_inputs(spec: OpSpec, inputs: Sequence[torch.Tensor], device: torch.device) -> None:
@@ -188,13 +195,19 @@ def _check_inputs(spec: OpSpec, inputs: Sequence[torch.Tensor], device: torch.de
         want = (str(spec.arity) if spec.min_inputs == spec.arity
                 else f"{spec.min_inputs} to {spec.arity}")
         raise TensorSpecError(f"{spec.name} takes {want} tensor input(s), got {len(inputs)}")
+    indices = spec.kind.index_inputs
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor):
             raise TensorSpecError(f"{spec.name} input {i} must be a torch.Tensor, got "
                                   f"{type(x).__name__}")
-        if x.dtype not in FLOAT_DTYPES:
+        if i in indices and x.dtype != torch.int32:
+            raise TensorSpecError(f"{spec.name} input {i} ({indices[i]}) is an index tensor: it "
+                                  f"must be int32, got {x.dtype}")
+        if i not in indices and x.dtype not in FLOAT_DTYPES:
+            which = (f"only its {' and '.join(indices.values())} input is int32" if indices
+                     else "it takes no int32 index input")
             raise TensorSpecError(f"{spec.name} input {i} has dtype {x.dtype}; use float32, "
-                                  "float16 or bfloat16")
+                                  f"float16 or bfloat16 ({which})")
         if x.device != device:
             raise TensorSpecError(f"{spec.name} input {i} is on {x.device}; this runtime runs on "
                                   f"{device}: move it there first")
@@ -217,13 +230,19 @@ def _scalars(spec: OpSpec, given: Mapping[str, float], inputs: Sequence[torch.Te
     return tuple(values)
 
 
-def _output(call: OpCall, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    dtype = call.out_dtype or _promote(call.inputs)
+def _output(call: OpCall, shape: tuple[int, ...], device: torch.device,
+            fixed: torch.dtype | None) -> torch.Tensor:
+    """The caller's `out`, checked, or a new one; `fixed` is the family's output dtype if it has one."""
+    if fixed is not None and call.out_dtype not in (None, fixed):
+        raise TensorSpecError(f"{call.op} returns {fixed}; out_dtype {call.out_dtype} is not possible")
+    dtype = fixed or call.out_dtype or _promote(call.inputs)
     if call.out is None:
         return torch.empty(shape, dtype=dtype, device=device)
     out = call.out
-    if tuple(out.shape) != shape or out.dtype not in FLOAT_DTYPES or out.device != device:
-        raise TensorSpecError(f"{call.op}: out must be a float tensor of shape {shape} on {device}, "
+    kind = f"a {fixed} tensor" if fixed else "a float tensor"
+    allowed = (fixed,) if fixed else FLOAT_DTYPES
+    if tuple(out.shape) != shape or out.dtype not in allowed or out.device != device:
+        raise TensorSpecError(f"{call.op}: out must be {kind} of shape {shape} on {device}, "
                               f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     if _overlaps_itself(out):
         raise TensorSpecError(f"{call.op}: out has overlapping elements (an expanded view); "

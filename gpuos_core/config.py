@@ -18,6 +18,8 @@ class CudaConfig:
     lease_ms: int = 20              # ... and after this long in any case
     stack_bytes: int = 1024         # per-thread stack limit, set once before the first launch
     tile_elements: int = 16384      # records of a large task cover about this many elements each
+    max_claim: int = 16             # most records a worker block claims at once (1..16) ...
+    program_claim: int = 4          # ... while a dependent program is being published
     stall_timeout_s: float = 10.0   # pending records and no completion this long: stalled
     publish_chunk: int = 1024       # records staged, copied and published at a time
     spin_s: float = 0.0005          # a waiting thread polls completions itself this long

@@ -16,8 +16,8 @@ At a flush, elementwise nodes are inlined into their consumers' expressions (at 
 inputs, 4 scalar parameters; further scalars become constants): a node gets a task of its own
 only if its tensor is still referenced, a reduction or row op reads it, or a consumer could not
 inline it. Each distinct fused expression is registered once (name from a hash of its canonical
-text). Tasks run level by level: a level's batch completes before the next is submitted, since
-tasks of one batch run in no particular order (backends/cuda.py).
+text). A flush is one device program (program.py): the worker runs a task once the tasks whose
+results it reads are done, so a chain of dependent tasks costs one submission and one wait.
 """
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .abi import MAX_DIMS, MAX_INPUTS, MAX_SCALARS
+from .abi import MAX_DIMS, MAX_SCALARS
 from .calls import OpCall
 from .catalogue import CATALOGUE, FLOAT_DTYPES
-from .expr import MAX_EXPR_CHARS, BinOp, Call, Input, Neg, Num, Scalar, Node as ExprNode
+from .expr import INPUTS, MAX_EXPR_CHARS, BinOp, Call, Input, Neg, Num, Scalar, Node as ExprNode
 from .runtime import Runtime
 
 aten = torch.ops.aten
@@ -57,7 +57,7 @@ class SchedulerStats:
 
     intercepted: int = 0   # aten ops queued as nodes
     tasks: int = 0         # runtime tasks submitted
-    submissions: int = 0   # runtime.submit calls (one per dependency level of a flush)
+    submissions: int = 0   # runtime.submit calls (one device program per flush)
     flushes: int = 0       # flushes that submitted work
     fused: int = 0         # elementwise ops computed inside another op's task, with no own task
     registered: int = 0    # fused operators this scheduler registered
@@ -322,7 +322,7 @@ def _index_eq(items: list[float], value: float) -> int:
 
 def _fits(form: Form) -> bool:
     """Whether the form can be one task: few enough inputs, text and nesting the parser takes."""
-    if len(form.leaves) > MAX_INPUTS:
+    if len(form.leaves) > len(INPUTS):
         return False
     text = _constants(form.tree, form.scalars).canonical()
     depth = best = 0
@@ -590,18 +590,21 @@ class Scheduler(TorchDispatchMode):
             self.flush()
 
     def _run(self, nodes: list[Node]) -> None:
+        """Every needed node as one device program: the worker orders dependent tasks itself."""
         forms = self._forms(nodes)
         needed = _needed(nodes, forms)
-        levels = _levels(forms, needed)
-        for level in levels:
-            calls = [self._call(n, forms.get(id(n))) for n in level]
-            batch = self.runtime.submit([self.runtime.prepare(c) for c in calls])
-            batch.wait(timeout=60.0).results()  # raises TaskFailedError for a failed task
-            self.stats.tasks += len(calls)
-            self.stats.submissions += 1
+        if not needed:
+            return
+        build = self.runtime.program()
+        for n in needed:  # queue order: producers first, as a program needs
+            build.add(self._call(n, forms.get(id(n))))
+        batch = self.runtime.submit(build.build())
+        batch.wait(timeout=60.0).results()  # raises TaskFailedError for a failed task
         inlined = frozenset().union(*(forms[id(n)].inlined for n in needed if id(n) in forms))
+        self.stats.tasks += len(needed)
+        self.stats.submissions += 1
         self.stats.fused += len(inlined - {id(n) for n in needed})
-        self.stats.flushes += bool(levels)
+        self.stats.flushes += 1
 
     def _forms(self, nodes: Sequence[Node]) -> dict[int, Form]:
         """Expression forms of the elementwise nodes, in queue order (producers first)."""
@@ -667,19 +670,6 @@ def _needed(nodes: Sequence[Node], forms: dict[int, Form]) -> list[Node]:
 def _deps(n: Node, forms: dict[int, Form]) -> list[Node]:
     sources = forms[id(n)].leaves if id(n) in forms else n.operands
     return [x for x in sources if isinstance(x, Node)]
-
-
-def _levels(forms: dict[int, Form], needed: Sequence[Node]) -> list[list[Node]]:
-    """Needed nodes grouped so that each group reads only results of earlier groups."""
-    level: dict[int, int] = {}
-    groups: list[list[Node]] = []
-    for n in needed:
-        k = 1 + max((level[id(d)] for d in _deps(n, forms)), default=-1)
-        level[id(n)] = k
-        if k == len(groups):
-            groups.append([])
-        groups[k].append(n)
-    return groups
 
 
 def _broadcast(shapes: Sequence[torch.Size]) -> tuple[int, ...] | None:

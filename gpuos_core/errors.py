@@ -92,3 +92,7 @@ class CanaryCrashError(GpuosError, RuntimeError):
     def __init__(self, message: str, log: str) -> None:
         self.log = log
         super().__init__(f"{message}\n{log}".rstrip())
+
+
+class ProgramError(GpuosError, ValueError):
+    """A device program cannot be built as asked (an `after=` that names no earlier task)."""

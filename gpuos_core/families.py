@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from .abi import MAX_DIMS
-from .calls import Params
+from .calls import Params, Prepared
 from .errors import TensorSpecError
 from .expr import Expr, evaluate
+from .sampler import sample_rows
 
 Tensors = Sequence[torch.Tensor]
 RowFn = Callable[[Tensors, tuple[float, ...]], torch.Tensor]
@@ -29,7 +30,7 @@ class Layout:
     """What a family decided for one call: encoded views, output shape and work items."""
 
     inputs: tuple[torch.Tensor, ...]   # views as encoded (broadcasts expanded)
-    out_shape: tuple[int, ...]         # shape of the caller's output
+    out_shape: tuple[int, ...]         # shape of the caller's output (Family.fit_out may set it)
     ref_shape: tuple[int, ...]         # shape of the encoded output (keepdim layout for reductions)
     items: int                         # work items of the whole task
     reduce_dims: tuple[int, ...] = ()  # reductions only
@@ -42,6 +43,13 @@ class Family:
     header: str = ""  # cuda/ header defining the macro
     macro: str = ""   # GPUOS_DEFINE_* macro taking the version's symbol
     rows_are_items = False  # work items: rows of the last dim (True) or output elements (False)
+    inputs_written: tuple[int, ...] = ()  # inputs its operators also write (in place), beside out
+    # Inputs read as GPUOS_DTYPE_I32 indices (position: name for messages); all others are floats.
+    index_inputs: Mapping[int, str] = {}
+    # Operators write only the items of the caller's `out` an index names (a scatter): the
+    # reference then takes that `out` as a last input and returns its new contents.
+    updates_out = False
+    out_dtype: torch.dtype | None = None  # the output's fixed dtype; None: a float the caller picks
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
         """Validate input shapes and decide the encoded layout; TensorSpecError says what to fix."""
@@ -52,9 +60,50 @@ class Family:
         return None
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
-        """Torch implementation over `xs` as laid out (fp32 or wider); returns the encoded output's
-        shape. `expr` is the version's expression (map operators only)."""
+        """Torch implementation over `xs` as laid out (fp32 or wider; index inputs integral or
+        float); returns the encoded output's shape. `expr` is the version's expression (map
+        operators only)."""
         raise NotImplementedError
+
+    def fit_out(self, lay: Layout, out: torch.Tensor | None) -> Layout:
+        """`lay` once the caller's `out` (None: one is allocated) is known. The default keeps it:
+        the catalogue checks `out` against lay.out_shape. Families that update `out` take its
+        shape here."""
+        return lay
+
+    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
+                end: int) -> None:
+        """What the CPU backend runs for one record: work items [begin, end) computed from the
+        decoded views `xs` (in their own dtypes) and stored through `out`. Families whose
+        operators write elsewhere too (an input updated in place, a scatter) override it."""
+        value = self.compute([x.float() if x.is_floating_point() else x for x in xs], p, expr)
+        write_items(out, value, begin, end, self.rows_are_items)
+
+    def ranges(self, task: Prepared, tile_elements: int | None) -> list[tuple[int, int]]:
+        """The work items [begin, end) of each of the task's records, in order: tiles of about
+        `tile_elements` elements of work each (counted in its largest input), one record when
+        None. Families whose kernels need a plan of their own override it."""
+        per_item = max(1, max(x.numel() for x in task.inputs) // max(task.items, 1))
+        step = max(1, tile_elements // per_item) if tile_elements else max(task.items, 1)
+        bounds = list(range(0, task.items, step)) or [0]
+        return list(zip(bounds, bounds[1:] + [task.items]))
+
+
+def write_items(out: torch.Tensor, value: torch.Tensor, begin: int, end: int, row_items: bool
+                ) -> None:
+    """Store `value` (shaped like `out`) into `out` for work items [begin, end): output elements
+    in row-major order, or whole rows of the last dim when `row_items`."""
+    width = out.shape[-1] if row_items and out.dim() else 1
+    if begin == 0 and end * width == out.numel():
+        out.copy_(value)
+        return
+    index = torch.arange(begin * width, end * width)
+    offsets = torch.zeros_like(index)
+    for size, stride in zip(reversed(out.shape), reversed(out.stride())):
+        offsets += (index % size) * stride
+        index //= size
+    flat = out.as_strided((out.untyped_storage().nbytes() // out.element_size(),), (1,), 0)
+    flat[offsets + out.storage_offset()] = value.reshape(-1)[begin * width:end * width].to(out.dtype)
 
 
 def _broadcast(shapes: Sequence[Sequence[int]], what: str) -> tuple[int, ...]:
@@ -70,6 +119,12 @@ def _broadcast(shapes: Sequence[Sequence[int]], what: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether `shape` broadcasts to exactly `target` (numpy rules)."""
+    return len(shape) <= len(target) and all(
+        n in (1, t) for n, t in zip(reversed(tuple(shape)), reversed(tuple(target))))
+
+
 def _check_ndim(shape: Sequence[int], what: str, least: int = 0) -> None:
     if not least <= len(shape) <= MAX_DIMS:
         raise TensorSpecError(f"{what} must have {least} to {MAX_DIMS} dims, got shape {tuple(shape)}")
@@ -77,6 +132,14 @@ def _check_ndim(shape: Sequence[int], what: str, least: int = 0) -> None:
 
 def _rows(shape: Sequence[int]) -> int:
     return math.prod(shape[:-1]) if shape else 1
+
+
+def _index(t: torch.Tensor, rows: tuple[int, ...], what: str) -> torch.Tensor:
+    """Index input `t` expanded to the leading dims `rows` it gives one value for (stride 0 where
+    broadcast), as encoded."""
+    if _broadcast([t.shape, rows], what) != rows:
+        raise TensorSpecError(f"{what} {tuple(t.shape)} must broadcast to the leading dims {rows}")
+    return t.expand(rows)
 
 
 class MapFamily(Family):
@@ -107,12 +170,16 @@ class RowFamily(Family):
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
         x = inputs[0]
         _check_ndim(x.shape, f"{self.name} input", least=1)
-        for i, w in enumerate(inputs[1:], start=1):
+        self._check_params(x, inputs, first=1)
+        return Layout(tuple(inputs), tuple(x.shape), tuple(x.shape), _rows(x.shape))
+
+    def _check_params(self, x: torch.Tensor, inputs: Tensors, first: int) -> None:
+        """inputs[first:] are 1-D parameters over the last dim of x (weight, bias)."""
+        for i, w in enumerate(inputs[first:], start=first):
             if tuple(w.shape) != (x.shape[-1],):
                 raise TensorSpecError(
                     f"{self.name} input {i} must have shape ({x.shape[-1]},) to match the last dim "
                     f"of input 0 {tuple(x.shape)}, got {tuple(w.shape)}")
-        return Layout(tuple(inputs), tuple(x.shape), tuple(x.shape), _rows(x.shape))
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
         return self._fn(xs, p.scalars)
@@ -128,6 +195,39 @@ def _rmsnorm(xs: Tensors, s: tuple[float, ...]) -> torch.Tensor:
     x = xs[0]
     y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + s[0])
     return y * xs[1] if len(xs) > 1 else y
+
+
+class AddNormFamily(RowFamily):
+    """Fused residual add + norm (vLLM's fused_add_rms_norm), inputs (x, y, weight?, bias?): per
+    row, x = (x + y) rounded to x's dtype, in place, and out = norm(x) with the row's 1-D
+    parameters. The reference (`compute`) returns out only, rounding the sum to x's dtype as it
+    is given (none when the inputs are widened, as the tests' float64 references are)."""
+
+    header = "ops/addnorm.cuh"
+    inputs_written = (0,)
+
+    def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
+        x, y = inputs[:2]
+        _check_ndim(x.shape, f"{self.name} input 0 (x)", least=1)
+        if y.shape != x.shape:
+            raise TensorSpecError(f"{self.name}: input 1 (the residual y) must have the shape of "
+                                  f"input 0 (x) {tuple(x.shape)}, got {tuple(y.shape)}")
+        if any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride())):
+            raise TensorSpecError(f"{self.name}: input 0 (x) is updated in place, so it must not be "
+                                  f"an expanded view (a dim of stride 0), got strides {x.stride()}")
+        self._check_params(x, inputs, first=2)
+        return Layout(tuple(inputs), tuple(x.shape), tuple(x.shape), _rows(x.shape))
+
+    def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
+        return self._fn([(xs[0] + xs[1]).to(xs[0].dtype), *xs[2:]], p.scalars)
+
+    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
+                end: int) -> None:
+        x, y, params = xs[0], xs[1], xs[2:]
+        summed = (x.float() + y.float()).to(x.dtype)  # torch's (x + y).to(x.dtype)
+        write_items(x, summed, begin, end, True)
+        value = self._fn([summed.float(), *(w.float() for w in params)], p.scalars)
+        write_items(out, value, begin, end, True)
 
 
 class ReduceFamily(Family):
@@ -164,37 +264,53 @@ class ReduceFamily(Family):
 
 
 class RotaryFamily(Family):
-    """Rotary embedding, rotate-half form, over rows of even length D with cos/sin of length D/2."""
+    """Rotary embedding, rotate-half form, over rows of even length D with cos/sin of length D/2:
+    broadcast to the rows, or tables [P, D/2] whose row positions[r] (int32, clamped into
+    [0, P - 1]) row r uses."""
 
     name, header, macro = "rotary", "ops/rotary.cuh", "GPUOS_DEFINE_ROTARY"
     rows_are_items = True
+    index_inputs = {3: "positions"}
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
-        x, cos, sin = inputs
+        x, cos, sin = inputs[:3]
         _check_ndim(x.shape, "rotary input 0", least=1)
         if x.shape[-1] % 2:
             raise TensorSpecError(f"rotary: the last dim of input 0 must be even, got {tuple(x.shape)}")
-        half = tuple(x.shape[:-1]) + (x.shape[-1] // 2,)
-        for name, t in (("cos", cos), ("sin", sin)):
-            if _broadcast([t.shape, half], f"rotary {name}") != half:
-                raise TensorSpecError(f"rotary: {name} {tuple(t.shape)} must broadcast to {half}")
-        return Layout((x, cos.expand(half), sin.expand(half)), tuple(x.shape), tuple(x.shape),
-                      _rows(x.shape))
+        lead, h = tuple(x.shape[:-1]), x.shape[-1] // 2
+        if len(inputs) > 3:
+            if cos.dim() != 2 or cos.shape[0] < 1 or cos.shape[1] != h or sin.shape != cos.shape:
+                raise TensorSpecError(
+                    f"rotary with positions: cos and sin must be tables [P, {h}] with P >= 1, got "
+                    f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+            views = (x, cos, sin, _index(inputs[3], lead, "rotary positions"))
+        else:
+            half = lead + (h,)
+            for name, t in (("cos", cos), ("sin", sin)):
+                if _broadcast([t.shape, half], f"rotary {name}") != half:
+                    raise TensorSpecError(f"rotary: {name} {tuple(t.shape)} must broadcast to {half}")
+            views = (x, cos.expand(half), sin.expand(half))
+        return Layout(views, tuple(x.shape), tuple(x.shape), _rows(x.shape))
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
-        x, c, s = xs
+        x, c, s = xs[:3]
+        if len(xs) > 3:  # each row's table row, clamped as the kernel does
+            at = xs[3].long().clamp(0, c.shape[0] - 1)
+            c, s = c[at], s[at]
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
 class AttentionFamily(Family):
-    """Single-query attention decode: per row, softmax(scale · K q) · V over that row's own L keys."""
+    """Single-query attention decode: per row, softmax(scale · K q) · V over that row's own L keys,
+    or over its first min(lengths[r], L) keys (int32; zeros when <= 0) when lengths is given."""
 
     name, header, macro = "attention_decode", "ops/attention.cuh", "GPUOS_DEFINE_ATTENTION_DECODE"
     rows_are_items = True
+    index_inputs = {3: "lengths"}
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
-        q, k, v = inputs
+        q, k, v = inputs[:3]
         _check_ndim(q.shape, "attention q", least=1)
         _check_ndim(k.shape, "attention K", least=2)
         d = q.shape[-1]
@@ -208,16 +324,274 @@ class AttentionFamily(Family):
         lead = _broadcast([q.shape[:-1], k.shape[:-2], v.shape[:-2]], "attention leading dims")
         kv = lead + tuple(k.shape[-2:])
         _check_ndim(kv, "attention K")
-        return Layout((q.expand(lead + (d,)), k.expand(kv), v.expand(kv)), lead + (d,),
+        lengths = tuple(_index(n, lead, "attention lengths") for n in inputs[3:])
+        return Layout((q.expand(lead + (d,)), k.expand(kv), v.expand(kv)) + lengths, lead + (d,),
                       lead + (d,), math.prod(lead))
 
     def derived_scalar(self, name: str, inputs: Tensors) -> float | None:
         return 1.0 / math.sqrt(inputs[0].shape[-1]) if name == "scale" else None
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
-        q, k, v = xs
+        q, k, v = xs[:3]
         scores = torch.einsum("...d,...ld->...l", q, k) * p.scalars[0]
-        return torch.einsum("...l,...ld->...d", torch.softmax(scores, dim=-1), v)
+        if len(xs) == 3:
+            return torch.einsum("...l,...ld->...d", torch.softmax(scores, dim=-1), v)
+        # Keys at or past a row's length are never read (the cache may hold anything there).
+        keep = torch.arange(k.shape[-2], device=k.device) < xs[3][..., None]
+        probs = torch.softmax(scores.masked_fill(~keep, -math.inf), dim=-1)
+        probs = torch.where(keep.any(dim=-1, keepdim=True), probs, 0.0)  # no key: zeros, not NaN
+        return torch.einsum("...l,...ld->...d", probs, v.masked_fill(~keep[..., None], 0.0))
+
+
+class ScatterRowsFamily(Family):
+    """out row index[r] = src row r (int32 index; out of range: skipped), in place in the caller's
+    `out` (a KV cache), rows numbered row-major over all dims but the last; items are src rows."""
+
+    name, header, macro = "scatter_rows", "ops/scatter.cuh", "GPUOS_DEFINE_SCATTER_ROWS"
+    rows_are_items = True
+    index_inputs = {1: "index"}
+    updates_out = True
+
+    def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
+        src, index = inputs
+        _check_ndim(src.shape, "scatter_rows src", least=1)
+        if src.shape[-1] < 1:
+            raise TensorSpecError(f"scatter_rows: src rows must not be empty, got {tuple(src.shape)}")
+        views = (src, _index(index, tuple(src.shape[:-1]), "scatter_rows index"))
+        return Layout(views, (), (), _rows(src.shape))  # out's shape: fit_out
+
+    def fit_out(self, lay: Layout, out: torch.Tensor | None) -> Layout:
+        if out is None:
+            raise TensorSpecError("scatter_rows writes into the tensor given as out= (the cache it "
+                                  "updates in place): pass one")
+        _check_ndim(out.shape, "scatter_rows out", least=1)
+        d = lay.inputs[0].shape[-1]
+        if out.shape[-1] != d:
+            raise TensorSpecError(f"scatter_rows: out's last dim must be src's ({d}), got out "
+                                  f"{tuple(out.shape)}")
+        return replace(lay, out_shape=tuple(out.shape), ref_shape=tuple(out.shape))
+
+    def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
+        src, index, out = xs
+        new = out.clone()
+        _scatter_rows(new, src.reshape(-1, src.shape[-1]), index.reshape(-1))
+        return new
+
+    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
+                end: int) -> None:
+        src, index = xs
+        _scatter_rows(out, src.reshape(-1, src.shape[-1])[begin:end], index.reshape(-1)[begin:end])
+
+
+def _scatter_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    """out row index[i] = src[i] for each row i of src [N, D] whose index lies in out's rows."""
+    rows = out if out.dim() > 1 else out.unsqueeze(0)  # a view: writes reach `out`
+    n = index.long()
+    keep = (n >= 0) & (n < math.prod(rows.shape[:-1]))
+    rows[torch.unravel_index(n[keep], rows.shape[:-1])] = src[keep].to(out.dtype)
+
+
+class SampleFamily(Family):
+    """Next-token choice on the device: one int32 token id per row of logits [..., V] from the
+    row's params (float32 [..., 3]: temperature, top_p, top_k) and rng (int32 [..., 3]: seed low
+    and high words, step), tensors because they change every step. The rule is stated in
+    cuda/ops/sample.cuh and run in torch by sampler.sample_rows. Items are rows (output elements)."""
+
+    name, header, macro = "sample_tokens", "ops/sample.cuh", "GPUOS_DEFINE_SAMPLE_TOKENS"
+    index_inputs = {2: "rng"}
+    out_dtype = torch.int32
+
+    def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
+        logits, params, rng = inputs
+        _check_ndim(logits.shape, "sample_tokens logits", least=1)
+        if logits.shape[-1] < 1:
+            raise TensorSpecError(f"sample_tokens: logits rows must not be empty, got "
+                                  f"{tuple(logits.shape)}")
+        if params.dtype != torch.float32:
+            raise TensorSpecError(f"sample_tokens input 1 (params: temperature, top_p, top_k) must "
+                                  f"be float32 so that top_k is exact, got {params.dtype}")
+        lead = tuple(logits.shape[:-1])
+        per_row = lead + (3,)
+        for what, t in (("params (temperature, top_p, top_k)", params),
+                        ("rng (seed low word, seed high word, step)", rng)):
+            if not _broadcasts_to(t.shape, per_row):
+                raise TensorSpecError(f"sample_tokens: {what} {tuple(t.shape)} must broadcast to "
+                                      f"{per_row}, three values per row of logits")
+        views = (logits, params.expand(per_row), rng.expand(per_row))
+        return Layout(views, lead, lead, _rows(logits.shape))
+
+    def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
+        rows = [x.reshape(-1, x.shape[-1]) for x in xs]
+        return sample_rows(*rows).reshape(xs[0].shape[:-1])
+
+    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
+                end: int) -> None:
+        value = torch.zeros(out.numel(), dtype=torch.int32)
+        value[begin:end] = sample_rows(*(x.reshape(-1, x.shape[-1])[begin:end] for x in xs))
+        write_items(out, value.reshape(out.shape), begin, end, False)
+
+
+# The tiling of cuda/ops/linear.cuh (its GPUOS_LINEAR_* constants; tests/unit/test_linear.py
+# checks that they agree).
+LINEAR_ROWS = 64        # rows of x per m-block (BM)
+LINEAR_COLS = 64        # outputs per n-tile (BN)
+LINEAR_KSTEP = 32       # k per step
+LINEAR_STEP_ALIGN = 8   # a split's steps come in multiples of this
+LINEAR_PART_ROWS = 16   # rows of a partial block are rounded up to this
+LINEAR_MAX_SPLITS = 64
+LINEAR_ITEM_COST = 4    # what starting an item costs, in steps of one tile (plan's cost model)
+DEFAULT_SMS = 132       # multiprocessors assumed off a GPU (an H100 or H200), so plans agree
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device: the worker runs a block on each."""
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How a linear task's work is cut, as cuda/ops/linear.cuh states it: m-blocks of rows of x,
+    n-tiles of outputs and `splits` ranges of K, one work item per (m-block, split, n-tile)."""
+
+    m: int       # rows of x
+    n: int       # outputs
+    k: int       # inner dim
+    splits: int  # K splits (1: no workspace)
+
+    @property
+    def mblocks(self) -> int:
+        return _ceil_div(self.m, LINEAR_ROWS)
+
+    @property
+    def ntiles(self) -> int:
+        return _ceil_div(self.n, LINEAR_COLS)
+
+    @property
+    def tiles(self) -> int:
+        return self.mblocks * self.ntiles
+
+    @property
+    def items(self) -> int:
+        return self.tiles * self.splits
+
+    @property
+    def kch(self) -> int:
+        """Steps of a split: the device derives it from `splits` the same way."""
+        steps = _ceil_div(_ceil_div(self.k, LINEAR_KSTEP), self.splits)
+        return _ceil_div(steps, LINEAR_STEP_ALIGN) * LINEAR_STEP_ALIGN
+
+    @property
+    def prows(self) -> int:
+        """Rows of a partial block."""
+        return _ceil_div(min(self.m, LINEAR_ROWS), LINEAR_PART_ROWS) * LINEAR_PART_ROWS
+
+    @property
+    def counters(self) -> int:
+        """Workspace words of the tiles' arrival counters (partials start 16-byte aligned)."""
+        return _ceil_div(self.tiles, 4) * 4
+
+    @property
+    def workspace_words(self) -> int:
+        if self.splits == 1:
+            return 0
+        return self.counters + self.splits * self.tiles * self.prows * LINEAR_COLS
+
+    @classmethod
+    def choose(cls, m: int, n: int, k: int, sms: int) -> "LinearPlan":
+        """The split of K that should finish soonest on `sms` multiprocessors (a block each): enough
+        items to occupy them, against the cost of writing and summing partials."""
+        steps = _ceil_div(k, LINEAR_KSTEP)
+        plans = [cls(m, n, k, s) for s in range(1, min(steps, LINEAR_MAX_SPLITS) + 1)]
+        valid = [p for p in plans if p.splits == 1 or _ceil_div(steps, p.kch) == p.splits]
+        return min(valid or [cls(m, n, k, 1)], key=lambda p: (p._cost(sms), p.splits))
+
+    def _cost(self, sms: int) -> float:
+        """Time in steps of one tile (4 KB of weights): the busiest block's items (each also
+        writes its partial block when K is split), then the last split's sum of the partials."""
+        if self.items == 0:
+            return 0.0
+        partial = self.prows / 16 if self.splits > 1 else 0.0  # 4 KB per 16 rows of fp32
+        combine = self.splits * partial / 2 if self.splits > 1 else 0.0  # read from L2
+        return _ceil_div(self.items, sms) * (self.kch + LINEAR_ITEM_COST + partial) + combine
+
+    @classmethod
+    def of(cls, x: torch.Tensor, w: torch.Tensor, workspace: torch.Tensor) -> "LinearPlan":
+        """The plan of encoded inputs, `splits` read from the workspace's length as the device
+        reads it."""
+        plan = cls(_rows(x.shape), w.shape[0], x.shape[-1], 1)
+        if workspace.numel() == 0:
+            return plan
+        block = plan.tiles * plan.prows * LINEAR_COLS
+        return replace(plan, splits=(workspace.numel() - plan.counters) // block)
+
+    def owned_tiles(self, begin: int, end: int) -> torch.Tensor:
+        """bool [mblocks, ntiles]: the tiles whose split 0 is among items [begin, end), which is
+        where the CPU backend writes each tile (once, whichever records the items form)."""
+        i = torch.arange(begin, end)
+        mb, rest = i % self.mblocks, i // self.mblocks
+        first = rest % self.splits == 0
+        owned = torch.zeros(self.mblocks, self.ntiles, dtype=torch.bool)
+        owned[mb[first], (rest // self.splits)[first]] = True
+        return owned
+
+
+class LinearFamily(Family):
+    """out = x W^T (+ bias) over x's last dim: torch.nn.functional.linear with Hugging Face's
+    weights [out_features, in_features]. The layout picks a LinearPlan and adds inputs 2 (the bias,
+    empty when there is none) and 3 (the split-K workspace); items are the plan's tiles."""
+
+    name, header, macro = "linear", "ops/linear.cuh", "GPUOS_DEFINE_LINEAR"
+
+    def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
+        x, w, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
+        _check_ndim(x.shape, "linear input 0 (x)", least=1)
+        if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+            raise TensorSpecError(
+                f"linear: input 1 (weight) must be [out_features, in_features] with in_features "
+                f"the last dim of input 0 (x) {tuple(x.shape)}, got {tuple(w.shape)}")
+        if bias is not None and tuple(bias.shape) != (w.shape[0],):
+            raise TensorSpecError(f"linear: input 2 (bias) must have shape ({w.shape[0]},) "
+                                  f"(out_features), got {tuple(bias.shape)}")
+        if len({t.dtype for t in inputs}) > 1:
+            raise TensorSpecError(f"linear: x, weight and bias must share one dtype, got "
+                                  f"{', '.join(str(t.dtype) for t in inputs)}")
+        plan = LinearPlan.choose(_rows(x.shape), w.shape[0], x.shape[-1], _sm_count(x.device))
+        workspace = torch.empty(plan.workspace_words, dtype=torch.int32, device=x.device)
+        workspace[:plan.counters].zero_()  # partials are written before they are read
+        views = (x, w, bias if bias is not None else x.new_empty(0), workspace)
+        shape = tuple(x.shape[:-1]) + (w.shape[0],)
+        return Layout(views, shape, shape, plan.items)
+
+    def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
+        bias = xs[2] if len(xs) > 2 and xs[2].numel() else None
+        return torch.nn.functional.linear(xs[0], xs[1], bias)
+
+    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
+                end: int) -> None:
+        plan = LinearPlan.of(xs[0], xs[1], xs[3])
+        owned = plan.owned_tiles(begin, end)
+        if not owned.any():
+            return
+        value = self.compute([t.float() for t in xs[:3]], p, expr)
+        rows = owned.repeat_interleave(LINEAR_ROWS, 0)[:plan.m]
+        mask = rows.repeat_interleave(LINEAR_COLS, 1)[:, :plan.n].reshape(out.shape)
+        out[mask] = value[mask].to(out.dtype)
+
+    def ranges(self, task: Prepared, tile_elements: int | None) -> list[tuple[int, int]]:
+        """At most one record per multiprocessor, of neighbouring items (a record streams its
+        items' weights back to back); one record when None."""
+        if tile_elements is None:
+            return [(0, task.items)]
+        records = max(1, min(task.items, _sm_count(task.inputs[0].device)))
+        bounds = [r * task.items // records for r in range(records + 1)]
+        return list(zip(bounds[:-1], bounds[1:]))
 
 
 @functools.cache
@@ -233,8 +607,13 @@ _FAMILIES: tuple[Family, ...] = (
               lambda xs, s: torch.log_softmax(xs[0], dim=-1)),
     RowFamily("layernorm", "GPUOS_DEFINE_LAYERNORM", _layernorm),
     RowFamily("rmsnorm", "GPUOS_DEFINE_RMSNORM", _rmsnorm),
+    AddNormFamily("add_layernorm", "GPUOS_DEFINE_ADD_LAYERNORM", _layernorm),
+    AddNormFamily("add_rmsnorm", "GPUOS_DEFINE_ADD_RMSNORM", _rmsnorm),
     ReduceFamily("sum", "GPUOS_DEFINE_SUM", mean=False),
     ReduceFamily("mean", "GPUOS_DEFINE_MEAN", mean=True),
     RotaryFamily(),
     AttentionFamily(),
+    ScatterRowsFamily(),
+    SampleFamily(),
+    LinearFamily(),
 )

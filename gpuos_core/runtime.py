@@ -17,13 +17,13 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .abi import RAW_TASK, TASK, encode_task
+from .abi import TASK, encode_task
 from .backends.base import Backend
 from .backends.cpu import CpuBackend
 from .batch import Batch
@@ -35,6 +35,8 @@ from .image import ImageBuild, build_image, compile_version
 from .config import RuntimeConfig
 from .jit import JitCache
 from .optable import Image, OpTable, OpVersion, catalogue_table
+from .program import Program, ProgramBuilder
+from .tasklist import TaskList, encode_batch
 
 log = logging.getLogger("gpuos.runtime")
 BACKENDS = ("auto", "cuda", "cpu")
@@ -68,37 +70,6 @@ class _State:
     def slot_versions(self) -> np.ndarray:
         """Version number held by each physical slot."""
         return np.array([v.version for v in self.image.slots], dtype=np.int32)
-
-
-@dataclass(eq=False)
-class TaskList:
-    """Tasks encoded for submission: their records back to back, and which operator each uses
-    (resolved to a slot only at submit, so a TaskList may be submitted more than once)."""
-
-    tasks: tuple[Prepared, ...]
-    records: np.ndarray         # TASK records of every task, tiles included
-    owners: np.ndarray          # record → task index
-    op_names: tuple[str, ...]   # distinct operators
-    op_of_task: np.ndarray      # task → index into op_names
-    op_of_record: np.ndarray    # record → index into op_names
-    pinned: bool = False        # records come from Backend.host_records: copied from directly
-    # The published state whose slots `records` hold, and each task's version under it: a
-    # resubmission under the same state skips resolving again (microseconds per submit).
-    resolved_for: "_State | None" = field(default=None, repr=False)
-    versions: np.ndarray | None = field(default=None, repr=False)
-
-    def resolve(self, state: "_State") -> np.ndarray:
-        """Write each record's physical slot under `state`; the version of each task."""
-        if self.resolved_for is not state:
-            if self.resolved_for is not None and self.pinned:
-                # An earlier submission may still be copying from these records (a rollback does
-                # not drain), so this one gets its own, staged like any pageable records.
-                self.records, self.pinned = self.records.copy(), False
-            slots = np.array([state.aliases[name] for name in self.op_names], dtype=np.int32)
-            self.records["op_slot"] = slots[self.op_of_record]
-            self.versions = state.slot_versions[slots[self.op_of_task]]
-            self.resolved_for = state
-        return self.versions
 
 
 def cuda_unusable_reason() -> str | None:
@@ -184,16 +155,35 @@ class Runtime:
         task.records = encode_records(task, self._backend.tile_elements)
         return task
 
-    def submit(self, tasks: "Sequence[Prepared] | TaskList") -> Batch:
+    def submit(self, tasks: "Sequence[Prepared] | TaskList | Program") -> Batch:
         """Enqueue tasks as one batch, resolving each operator to the physical slot of its current
         version now. Blocks only while a swap holds submissions (milliseconds). A TaskList (see
-        `encode`) can be submitted again and again without re-encoding."""
+        `encode`) can be submitted again and again without re-encoding. A Program runs its whole
+        dependency graph on the device; submitting it first waits for its previous run."""
+        if isinstance(tasks, Program):
+            return self._run_program(tasks)
         work = tasks if isinstance(tasks, TaskList) else self.encode(tasks)
+        return self._launch(work)
+
+    def program(self) -> ProgramBuilder:
+        """A builder of a device program: `add` calls in order, then `build()` (see program.py)."""
+        return ProgramBuilder(self.prepare, self._backend.host_records, self.device)
+
+    def _run_program(self, program: Program) -> Batch:
+        with program.lock:
+            if program.last is not None:  # runs share tensors and counters: never overlap
+                program.last.wait()
+            program.last = self._launch(program.tasks, program.events, idle=True)
+            return program.last
+
+    def _launch(self, work: TaskList, events: torch.Tensor | None = None, idle: bool = False
+                ) -> Batch:
+        """Resolve and launch; `idle`: no submission of `work` can still be copying its records."""
         with self._submit_lock:
             if self._closed:
                 raise RuntimeClosedError("submit() after close()")
-            versions = work.resolve(self._state)
-            batch = Batch(work.tasks, work.records, work.owners, versions, work.pinned)
+            versions = work.resolve(self._state, idle)
+            batch = Batch(work.tasks, work.records, work.owners, versions, work.pinned, events)
             self._backend.launch(batch)  # may raise (ring too small, stalled): nothing in flight
             self._inflight.add(batch)
             batch.add_done_callback(self._inflight.discard)
@@ -323,28 +313,12 @@ class Runtime:
             batch.wait(max(0.0, deadline - time.monotonic()))
 
 
-def encode_batch(tasks: Sequence[Prepared], allocate: Callable[[int], np.ndarray]) -> TaskList:
-    """Concatenate prepared tasks' records into one TaskList, in the records `allocate(n)` gives
-    (Backend.host_records: page-locked on CUDA). Bytewise: a structured-dtype copy costs tens of
-    microseconds per record."""
-    names: dict[str, int] = {}
-    op_of_task = np.array([names.setdefault(t.op, len(names)) for t in tasks], dtype=np.int32)
-    counts = [len(t.records) for t in tasks]
-    records = allocate(sum(counts))
-    np.concatenate([t.records.view(RAW_TASK) for t in tasks], out=records.view(RAW_TASK))
-    owners = np.repeat(np.arange(len(tasks), dtype=np.int32), counts)
-    return TaskList(tuple(tasks), records, owners, tuple(names), op_of_task, op_of_task[owners],
-                    pinned=True)
-
-
 def encode_records(task: Prepared, tile_elements: int | None) -> np.ndarray:
-    """The task's ABI records: one per tile of about `tile_elements` elements of work (one record
-    when None), each covering a range of work items; op_slot is left for submit to resolve."""
-    per_item = max(1, max(x.numel() for x in task.inputs) // max(task.items, 1))
-    step = max(1, tile_elements // per_item) if tile_elements else max(task.items, 1)
-    bounds = list(range(0, task.items, step)) or [0]
-    records = np.empty(len(bounds), dtype=TASK)
+    """The task's ABI records: one per range of work items its family chooses for tiles of about
+    `tile_elements` elements of work (one record when None); op_slot is left for submit to
+    resolve."""
+    ranges = task.kind.ranges(task, tile_elements)
+    records = np.empty(len(ranges), dtype=TASK)
     mask = sum(1 << d for d in task.params.reduce_dims)
-    encode_task(records, list(zip(bounds, bounds[1:] + [task.items])), task.out_ref, task.inputs,
-                task.params.scalars, mask)
+    encode_task(records, ranges, task.out_ref, task.inputs, task.params.scalars, mask)
     return records

@@ -1,10 +1,12 @@
 /* attention.cuh: fused single-query attention decode.
  *
- * Contract (host encoding): in = (q [..., D], K [..., L, D], V [..., L, D]) with equal leading dims
- * after expansion (grouped-query heads are stride-0 broadcasts); out [..., D]; scalars[0] = scale;
+ * Contract (host encoding): in = (q [..., D], K [..., L, D], V [..., L, D][, lengths [...]]) with
+ * equal leading dims after expansion (grouped-query heads and per-request lengths are stride-0
+ * broadcasts); lengths is GPUOS_DTYPE_I32; out [..., D]; scalars[0] = scale;
  * 1 <= D <= GPUOS_ATTN_MAX_D, L >= 1 (the host validates both). Rows are numbered row-major over
- * q's leading dims; a task covers rows [range_begin, range_end). Per row:
- *   p = softmax(scale * K q) over the L keys, out = p^T V.
+ * q's leading dims; a task covers rows [range_begin, range_end). Per row, with n = L, or
+ * min(lengths[row], L) when lengths is given (read on the device: it may change between runs):
+ *   p = softmax(scale * K q) over keys [0, n), out = p^T V; out = 0 when n <= 0.
  *
  * Split-K in one block (flash-decoding): warp w takes keys w, w + W, ... with its own online
  * softmax (running max m, running sum s, output accumulator rescaled when m grows); lane i holds
@@ -91,10 +93,15 @@ __device__ __forceinline__ void gpuos_attention_row(const GpuosTask* t, int64_t 
                                                     float* merged) {
   const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
   const int d_len = static_cast<int>(gpuos_row_len(t->in[0]));
-  const int64_t l_len = t->in[1].sizes[t->in[1].ndim - 2];
-  GpuosRow qr = gpuos_vector(t->in[0]), out = gpuos_vector(t->out);
+  /* Without lengths, in[3] is an unused (zeroed) ref: seeking its row moves nothing. */
+  GpuosRow qr = gpuos_vector(t->in[0]), out = gpuos_vector(t->out), len = gpuos_vector(t->in[3]);
   GpuosKeys k = gpuos_keys(t->in[1]), v = gpuos_keys(t->in[2]);
-  gpuos_seek(t->in[0], gpuos_row_dims(t->in[0]), r, qr, out, k, v);
+  gpuos_seek(t->in[0], gpuos_row_dims(t->in[0]), r, qr, out, k, v, len);
+  int64_t l_len = t->in[1].sizes[t->in[1].ndim - 2];
+  if (t->num_inputs > 3) {
+    const int64_t n = gpuos_load_i32(len.p);
+    l_len = n < 0 ? 0 : (n < l_len ? n : l_len);
+  }
   __syncthreads(); /* the previous row's readers of q and merged are done */
   GPUOS_ROLLED
   for (int d = threadIdx.x; d < d_len; d += blockDim.x) q[d] = t->scalars[0] * qr.load(d);
@@ -130,8 +137,10 @@ __device__ __forceinline__ void gpuos_attention_row(const GpuosTask* t, int64_t 
     }
     __syncthreads();
   }
+  /* No key: merged and s_all are both 0. */
   GPUOS_ROLLED
-  for (int d = threadIdx.x; d < d_len; d += blockDim.x) out.store(d, gpuos_div(merged[d], s_all));
+  for (int d = threadIdx.x; d < d_len; d += blockDim.x)
+    out.store(d, l_len > 0 ? gpuos_div(merged[d], s_all) : 0.0f);
 }
 
 __device__ __forceinline__ void gpuos_attention_decode(const GpuosTask* t) {

@@ -36,6 +36,39 @@ struct GpuosSoftmaxRow {
   }
 };
 
+/* The passes of a layernorm row after the first: x's row (already positioned) and its sum `sum`
+ * are known; y = (x - mean) * rsqrt(var + eps) * w + b with the optional weight and bias in
+ * in[W] and in[W + 1]. Shared with the fused residual norms (addnorm.cuh), whose weights come
+ * after their residual input. */
+template <int W, class G>
+__device__ __forceinline__ void gpuos_layernorm_tail(const GpuosTask* t, const GpuosRow& x,
+                                                     const GpuosRow& y, int64_t n, float sum) {
+  const float mean = gpuos_div(sum, static_cast<float>(n));
+  /* Sum squared deviations (two passes): E[x^2] - mean^2 cancels catastrophically. */
+  float q = 0.0f;
+  gpuos_row_each<G>(x, n, [&](int64_t, float v) { q += (v - mean) * (v - mean); });
+  const float rstd = rsqrtf(gpuos_div(G::sum(q), static_cast<float>(n)) + t->scalars[0]);
+  const bool has_w = t->num_inputs > W, has_b = t->num_inputs > W + 1;
+  const GpuosRow w = gpuos_vector(t->in[W]), b = gpuos_vector(t->in[W + 1]);
+  gpuos_row_each<G>(x, n, [&](int64_t j, float v) {
+    const float o = (v - mean) * rstd;
+    const float ow = has_w ? o * w.load(j) : o;
+    y.store(j, has_b ? ow + b.load(j) : ow);
+  });
+}
+
+/* The last pass of an rmsnorm row whose sum of squares `sumsq` is known; the optional weight is
+ * in[W]. */
+template <int W, class G>
+__device__ __forceinline__ void gpuos_rmsnorm_tail(const GpuosTask* t, const GpuosRow& x,
+                                                   const GpuosRow& y, int64_t n, float sumsq) {
+  const float rms = rsqrtf(gpuos_div(sumsq, static_cast<float>(n)) + t->scalars[0]);
+  const bool has_w = t->num_inputs > W;
+  const GpuosRow w = gpuos_vector(t->in[W]);
+  gpuos_row_each<G>(
+      x, n, [&](int64_t j, float v) { y.store(j, has_w ? v * rms * w.load(j) : v * rms); });
+}
+
 struct GpuosLayerNormRow {
   template <class G>
   __device__ static void run(const GpuosTask* t, int64_t r) {
@@ -44,18 +77,7 @@ struct GpuosLayerNormRow {
     const int64_t n = gpuos_row_len(t->in[0]);
     float s = 0.0f;
     gpuos_row_each<G>(x, n, [&](int64_t, float v) { s += v; });
-    const float mean = gpuos_div(G::sum(s), static_cast<float>(n));
-    /* Sum squared deviations (two passes): E[x^2] - mean^2 cancels catastrophically. */
-    float q = 0.0f;
-    gpuos_row_each<G>(x, n, [&](int64_t, float v) { q += (v - mean) * (v - mean); });
-    const float rstd = rsqrtf(gpuos_div(G::sum(q), static_cast<float>(n)) + t->scalars[0]);
-    const bool has_w = t->num_inputs > 1, has_b = t->num_inputs > 2;
-    const GpuosRow w = gpuos_vector(t->in[1]), b = gpuos_vector(t->in[2]);
-    gpuos_row_each<G>(x, n, [&](int64_t j, float v) {
-      const float o = (v - mean) * rstd;
-      const float ow = has_w ? o * w.load(j) : o;
-      y.store(j, has_b ? ow + b.load(j) : ow);
-    });
+    gpuos_layernorm_tail<1, G>(t, x, y, n, G::sum(s));
   }
 };
 
@@ -67,11 +89,7 @@ struct GpuosRmsNormRow {
     const int64_t n = gpuos_row_len(t->in[0]);
     float q = 0.0f;
     gpuos_row_each<G>(x, n, [&](int64_t, float v) { q += v * v; });
-    const float rms = rsqrtf(gpuos_div(G::sum(q), static_cast<float>(n)) + t->scalars[0]);
-    const bool has_w = t->num_inputs > 1;
-    const GpuosRow w = gpuos_vector(t->in[1]);
-    gpuos_row_each<G>(
-        x, n, [&](int64_t j, float v) { y.store(j, has_w ? v * rms * w.load(j) : v * rms); });
+    gpuos_rmsnorm_tail<1, G>(t, x, y, n, G::sum(q));
   }
 };
 

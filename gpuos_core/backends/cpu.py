@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import torch
 
-from ..abi import CODE_DTYPES, ref_shape, ref_strides
+from ..abi import CODE_DTYPES, NO_EVENT, OP_NOP, ref_shape, ref_strides
 from ..batch import Batch
 from ..calls import Params
 from ..optable import Image
@@ -36,21 +36,14 @@ def decode(ref: np.void) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype, count=span).as_strided(shape, strides)
 
 
-def write_items(out: torch.Tensor, value: torch.Tensor, begin: int, end: int, row_items: bool
-                ) -> None:
-    """Store `value` (shaped like `out`) into `out` for work items [begin, end): output elements
-    in row-major order, or whole rows of the last dim when `row_items`."""
-    width = out.shape[-1] if row_items and out.dim() else 1
-    if begin == 0 and end * width == out.numel():
-        out.copy_(value)
-        return
-    index = torch.arange(begin * width, end * width)
-    offsets = torch.zeros_like(index)
-    for size, stride in zip(reversed(out.shape), reversed(out.stride())):
-        offsets += (index % size) * stride
-        index //= size
-    flat = out.as_strided((out.untyped_storage().nbytes() // out.element_size(),), (1,), 0)
-    flat[offsets + out.storage_offset()] = value.reshape(-1)[begin * width:end * width].to(out.dtype)
+def _check_waits(record: np.void, counters: np.ndarray | None) -> None:
+    """Records run in submission order here, so a wait that is not met now never will be (on a
+    GPU the record would wait forever): fail it instead."""
+    for event, count in zip(record["wait"], record["wait_count"]):
+        if event != NO_EVENT and (counters is None or counters[event] < count):
+            have = "no event counters" if counters is None else f"{counters[event]} signal(s)"
+            raise RuntimeError(f"record waits for event {event} to reach {count}, but {have} "
+                               "came before it: a program's producers must precede its consumers")
 
 
 class CpuBackend(Backend):
@@ -75,23 +68,28 @@ class CpuBackend(Backend):
 
     def _loop(self) -> None:
         while (batch := self._queue.get()) is not None:
+            counters = None if batch.events is None else batch.events.numpy().view(np.uint32)
+            if counters is not None:
+                counters[:] = 0  # as the CUDA backend does before publishing
             errors = {}
             for i, record in enumerate(batch.records):
                 try:
-                    self._execute(record)
+                    _check_waits(record, counters)
+                    if int(record["op_slot"]) != OP_NOP:
+                        self._execute(record)
                 except Exception as exc:  # one failing task fails only its own request
                     log.warning("task %d of a batch failed: %s", i, exc)
                     errors[i] = f"{type(exc).__name__}: {exc}"
+                if counters is not None and int(record["signal"]) != NO_EVENT:
+                    counters[int(record["signal"])] += 1  # failed records signal too, as on a GPU
             batch.complete(errors)
 
     def _execute(self, record: np.void) -> None:
         spec = self._slots[int(record["op_slot"])].spec
         n = int(record["num_inputs"])
-        xs = [decode(record["in"][k]).float() for k in range(n)]
+        xs = [decode(record["in"][k]) for k in range(n)]
         mask = int(record["reduce_mask"])
         dims = tuple(d for d in range(xs[0].dim() if xs else 0) if mask >> d & 1)
         params = Params(tuple(float(s) for s in record["scalars"][: len(spec.scalars)]), dims)
-        out = decode(record["out"])
-        value = spec.compute(xs, params)
-        write_items(out, value, int(record["range_begin"]), int(record["range_end"]),
-                    spec.kind.rows_are_items)
+        spec.kind.execute(decode(record["out"]), xs, params, spec.expression,
+                          int(record["range_begin"]), int(record["range_end"]))

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from cuda.bindings import driver as cu
 
 from ..abi import QUEUE, RAW_TASK, TASK
 from ..batch import Batch
-from ..errors import GpuosError, StalledWorkerError
+from ..errors import StalledWorkerError
 from ..optable import Image
 from ..config import CudaConfig
 from .base import Backend
@@ -40,30 +40,45 @@ from .cudadrv import NOT_READY, CudaError, PinnedBuffer, check, kernel_params
 
 log = logging.getLogger("gpuos.cuda")
 _NON_BLOCKING = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+MAX_CLAIM = 16  # GPUOS_MAX_CLAIM in gpuos_worker.cu: records a worker block can hold at once
 
 
 @dataclass
 class _Pending:
-    """A launched batch and where its completions appear."""
+    """A launched batch: where its completions appear and how far they are known to have come."""
 
     batch: Batch
     first: int            # ticket of its first record
     count: int            # records
     mask: int             # ring capacity - 1
+    published: int = 0    # records published so far (a batch larger than the ring goes in parts)
+    reaped: int = 0       # records from the first known complete, in ticket order
+    failures: list[int] = field(default_factory=list)  # failed record indices among those
 
-    def failed(self, done: np.ndarray) -> list[int] | None:
-        """None until every record's completion is written; then the records that failed. Tests
-        the last record first, in plain Python: the one-task round trip needs nothing else."""
-        last = int(done[(self.first + self.count - 1) & self.mask])
-        if abs(last) != self.first + self.count:
-            return None
+    @property
+    def oldest(self) -> int:
+        """Ticket of its oldest record not known complete: ring slots before it are free."""
+        return self.first + self.reaped
+
+    def advance(self, done: np.ndarray) -> bool:
+        """Reap completions in ticket order as far as they are written; True once every record
+        completed. A lone record is tested in plain Python: the one-task round trip needs nothing
+        else. Only published records are read, and none of them can have been overwritten:
+        a slot is reused only once the oldest record before it is reaped."""
         if self.count == 1:
-            return [] if last > 0 else [0]
-        tickets = np.arange(self.first, self.first + self.count, dtype=np.int64)
+            last = int(done[self.first & self.mask]) if self.published else 0
+            if abs(last) != self.first + 1:
+                return False
+            self.failures, self.reaped = ([0] if last < 0 else []), 1
+            return True
+        tickets = np.arange(self.first + self.reaped, self.first + self.published, dtype=np.int64)
         values = done[tickets & self.mask]
-        if not np.array_equal(np.abs(values), tickets + 1):
-            return None
-        return np.flatnonzero(values < 0).tolist() if values.min() < 0 else []
+        ok = np.abs(values) == tickets + 1
+        n = len(ok) if ok.all() else int(ok.argmin())
+        if n and values[:n].min() < 0:
+            self.failures += (tickets[:n][values[:n] < 0] - self.first).tolist()
+        self.reaped += n
+        return self.reaped == self.count
 
 
 class CudaBackend(Backend):
@@ -75,6 +90,8 @@ class CudaBackend(Backend):
     def __init__(self, config: CudaConfig | None = None, device_index: int = 0) -> None:
         self.config = config or CudaConfig()
         assert self.config.capacity & (self.config.capacity - 1) == 0, "capacity: a power of two"
+        assert all(1 <= n <= MAX_CLAIM for n in (self.config.max_claim, self.config.program_claim)
+                   ), f"max_claim and program_claim: 1 to {MAX_CLAIM}"
         self.tile_elements = self.config.tile_elements
         self.device = torch.device("cuda", device_index)
         # The caller's current torch stream as a raw handle. torch's private getter (the one its
@@ -88,7 +105,8 @@ class CudaBackend(Backend):
         self._streams: dict[int, cu.CUstream] = {}  # torch stream handles, wrapped for the driver
         self._open_context(device_index)
         self._allocate()
-        self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()  # held by one launch while it publishes
+        self._lock = threading.Lock()  # ring, tail and pending batches
         self._wake = threading.Condition(self._lock)
         self._pending: collections.deque[_Pending] = collections.deque()
         self._tail = 0
@@ -143,8 +161,11 @@ class CudaBackend(Backend):
         self._done_buf = PinnedBuffer(self.config.capacity * 8, mapped=True)
         self._done = self._done_buf.view(np.int64)
         self._done[:] = 0
-        check(cu.cuMemsetD8Async(self._queue, 0, QUEUE.itemsize, self._copy_stream), "memset queue")
-        check(cu.cuStreamSynchronize(self._copy_stream), "cuStreamSynchronize(copy)")
+        self._claim_address = self._queue + QUEUE.fields["claim"][1]
+        self._claim = self.config.max_claim  # the queue's claim limit as last written
+        control = np.zeros(1, dtype=QUEUE)
+        control["claim"] = self._claim
+        check(cu.cuMemcpyHtoD(self._queue, control.ctypes.data, QUEUE.itemsize), "init queue")
         self._stream_writes = self._try_stream_write()
 
     def _try_stream_write(self) -> bool:
@@ -180,24 +201,29 @@ class CudaBackend(Backend):
             check(cu.cuStreamSynchronize(self._copy_stream), "cuStreamSynchronize(copy)")
 
     def launch(self, batch: Batch) -> None:
-        n = len(batch.records)
-        if n > self.config.capacity:
-            raise GpuosError(f"a batch of {n} records exceeds the ring ({self.config.capacity}); "
-                             "submit it in parts")
+        """Publish the batch's records, in parts of at most the ring's capacity when it is larger:
+        each part waits for ring slots whose records completed (records only ever wait for
+        earlier ones, so the published ones always finish and free their slots)."""
         self._use_context()  # any thread may submit; the driver needs the context current in it
-        with self._lock:
+        records = batch.records.view(RAW_TASK)
+        with self._publish_lock, self._lock:  # one launch at a time: its tickets are contiguous
             if self.broken:
                 raise StalledWorkerError(self.broken)
-            self._wait_for_space(n)
-            first = self._tail
             self._after_producer()
-            self._publish(batch.records.view(RAW_TASK), batch.pinned)
+            if batch.events is not None:  # stream-ordered before every record of the batch
+                check(cu.cuMemsetD32Async(batch.events.data_ptr(), 0, batch.events.numel(),
+                                          self._copy_stream), "zero the program's events")
+            claim = self.config.program_claim if batch.events is not None else self.config.max_claim
+            if claim != self._claim:  # a hint: records claimed under the old one are just as valid
+                self._write_u64(self._claim_address, claim)
+                self._claim = claim
             if not self._pending:  # stall detection counts from the first pending batch
                 self._last_progress = time.monotonic()
-            self._pending.append(_Pending(batch, first, n, self.config.capacity - 1))
-            self._ensure_worker()
-            if self._parked:
-                self._wake.notify_all()
+            pending = _Pending(batch, self._tail, len(records), self.config.capacity - 1)
+            self._pending.append(pending)
+            part = min(self.config.capacity, self.config.publish_chunk)
+            for begin in range(0, len(records), part):
+                self._publish(records[begin:begin + part], batch.pinned, pending)
         batch.set_poller(self.poll, self.config.spin_s)
 
     def close(self) -> None:
@@ -232,20 +258,23 @@ class CudaBackend(Backend):
         check(cu.cuEventRecord(self._inputs_ready, producer), "cuEventRecord(inputs)")
         check(cu.cuStreamWaitEvent(self._copy_stream, self._inputs_ready, 0), "cuStreamWaitEvent")
 
-    def _publish(self, records: np.ndarray, pinned: bool) -> None:
-        """Copy and publish records in chunks, so the worker starts on the first chunk while later
-        ones are still being copied. Pinned records (from host_records) are copied as they lie;
-        others are staged first. Lock held; space already reserved."""
-        cap, chunk = self.config.capacity, self.config.publish_chunk
-        for begin in range(0, len(records), chunk):
-            part = records[begin:begin + chunk]
-            slot = self._tail & (cap - 1)
-            split = min(len(part), cap - slot)
-            for at, piece in ((slot, part[:split]), (0, part[split:])):
-                if len(piece):
-                    self._copy_to_ring(at, piece, pinned)
-            self._tail += len(part)
-            self._write_u64(self._tail_address, self._tail)
+    def _publish(self, records: np.ndarray, pinned: bool, pending: _Pending) -> None:
+        """Copy records to the ring once their slots are free, then write the tail after them, so
+        the worker starts on one part while later ones are still being copied. Pinned records
+        (from host_records) are copied as they lie; others are staged first. Lock held."""
+        self._wait_for_space(len(records))
+        cap = self.config.capacity
+        slot = self._tail & (cap - 1)
+        split = min(len(records), cap - slot)
+        for at, piece in ((slot, records[:split]), (0, records[split:])):
+            if len(piece):
+                self._copy_to_ring(at, piece, pinned)
+        self._tail += len(records)
+        self._write_u64(self._tail_address, self._tail)
+        pending.published += len(records)
+        self._ensure_worker()
+        if self._parked:
+            self._wake.notify_all()
 
     def _copy_to_ring(self, at: int, piece: np.ndarray, pinned: bool) -> None:
         """Async copy of contiguous records to ring slots at.., from where they lie when pinned,
@@ -271,11 +300,10 @@ class CudaBackend(Backend):
 
     def _wait_for_space(self, n: int) -> None:
         """Backpressure: wait (lock released) until n ring slots hold only completed records."""
-        while self._tail + n - (self._pending[0].first if self._pending else self._tail) > \
-                self.config.capacity:
-            if self.broken:
-                raise StalledWorkerError(self.broken)
+        while not self.broken and self._tail + n - self._pending[0].oldest > self.config.capacity:
             self._wake.wait(0.01)
+        if self.broken:  # the watchdog failed every pending batch, this one included
+            raise StalledWorkerError(self.broken)
 
     def _ensure_worker(self) -> None:
         """Launch the worker unless one is running (its launch's event not yet reached)."""
@@ -300,20 +328,23 @@ class CudaBackend(Backend):
 
     # -- completion ----------------------------------------------------------------------------
     def poll(self) -> bool:
-        """Complete every launched batch whose records all finished; True if any did."""
-        finished = []
+        """Reap completions; complete every batch whose records all finished. True when any
+        record completed (progress, for the watchdog)."""
+        finished, progressed = [], False
         with self._lock:
             for pending in list(self._pending):
-                failed = pending.failed(self._done)
-                if failed is not None:
+                reaped = pending.reaped
+                if pending.advance(self._done):
                     self._pending.remove(pending)
-                    finished.append((pending.batch, failed))
-            if finished:
+                    finished.append(pending)
+                progressed = progressed or pending.reaped != reaped
+            if progressed:
                 self._last_progress = time.monotonic()
                 self._wake.notify_all()
-        for batch, failed in finished:
-            batch.complete({r: "operator slot not in the loaded image" for r in failed})
-        return bool(finished)
+        for pending in finished:
+            pending.batch.complete({r: "operator slot not in the loaded image"
+                                    for r in pending.failures})
+        return progressed
 
     def _poll_loop(self) -> None:
         """Reap completions nobody spins on and run the watchdog. It sleeps before each poll, so a

@@ -1,0 +1,256 @@
+"""Device programs: a dependency graph of tasks in one submission, resolved by the worker itself.
+
+    build = rt.program()
+    h = build.add(OpCall("mul", (a, b)))       # returns the task's output (allocated now)
+    y = build.add(OpCall("relu", (h,)))        # reads h: runs after the mul, on the device
+    prog = build.build()                       # edges, event plan and records, encoded once
+    rt.submit(prog).wait()                     # one copy and one doorbell per run
+
+Edges come from data flow: a task that reads memory an earlier task writes, or writes memory an
+earlier task reads or writes, depends on it; `after=` adds any other order. Each task that others
+depend on signals one event per record (its tiles); a dependent record waits for the event to
+reach the producer's record count (gpuos_abi.h). Edges implied by others are dropped (waiting for
+a task implies everything it waited for), so most tasks wait for one or two events; one that
+still depends on more tasks than a record can wait for gets join records first (no operator,
+they wait for a few events each and signal one the task then waits for).
+
+A program is fixed; data moves. What changes between runs lives in the tensors its operators read
+(index inputs for lengths and positions), so a program is built once and resubmitted, like a CUDA
+graph with dynamic sizes. Operator versions resolve at each submit (a swap between runs takes
+effect at the next run). Runs of one program never overlap: they share tensors and event
+counters, so `Runtime.submit` waits for a program's previous run before publishing the next.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .abi import MAX_WAITS, NO_EVENT, OP_NOP, RAW_TASK, TASK
+from .batch import Batch
+from .calls import OpCall, Prepared
+from .errors import ProgramError
+from .tasklist import TaskList
+
+Span = tuple[int, int, int]  # (storage address, first byte, one past the last byte)
+
+
+@dataclass(eq=False)
+class Program:
+    """A built program: its records with the event plan, and the counters they use."""
+
+    tasks: TaskList                       # every record, joins included, encoded once
+    deps: tuple[tuple[int, ...], ...]     # per task: the tasks it waits for (implied ones dropped)
+    events: torch.Tensor | None           # one counter per event (int32 storage, read as uint32);
+                                          # None when no task depends on another
+    joins: int                            # join records (no operator) in `tasks`
+    last: Batch | None = field(default=None, repr=False)  # the latest run
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one submit at a time
+
+    @property
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        """Each task's output, in the order tasks were added."""
+        return tuple(t.out for t in self.tasks.tasks)
+
+    def __len__(self) -> int:
+        return len(self.tasks.tasks)
+
+
+class ProgramBuilder:
+    """Collects tasks in order; `build()` derives the edges and encodes the program."""
+
+    def __init__(self, prepare: Callable[[OpCall], Prepared],
+                 allocate: Callable[[int], np.ndarray], device: torch.device) -> None:
+        self._prepare, self._allocate, self._device = prepare, allocate, device
+        self._tasks: list[Prepared] = []
+        self._after: list[tuple[int, ...]] = []
+
+    def add(self, call: OpCall, after: Iterable[int] = ()) -> torch.Tensor:
+        """Append a task (validated now: TensorSpecError, UnknownOperatorError); it also runs
+        after the tasks numbered in `after` (indices of earlier `add` calls). Returns its output."""
+        order = tuple(after)
+        index = len(self._tasks)
+        bad = [a for a in order if not (isinstance(a, int) and 0 <= a < index)]
+        if bad:
+            raise ProgramError(f"task {index} ({call.op}): after={bad} must name earlier tasks "
+                               f"(0..{index - 1})")
+        self._tasks.append(self._prepare(call))
+        self._after.append(order)
+        return self._tasks[-1].out
+
+    def build(self) -> Program:
+        """The program of every task added so far (ProgramError when there is none)."""
+        if not self._tasks:
+            raise ProgramError("a program needs at least one task")
+        deps = reduce_edges(data_flow(self._tasks), self._after)
+        return encode_program(self._tasks, deps, self._allocate, self._device)
+
+
+# -- edges ---------------------------------------------------------------------------------------
+def span(t: torch.Tensor) -> Span | None:
+    """The bytes a tensor view can touch, with its storage; None when it has no element."""
+    if t.numel() == 0:
+        return None
+    last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    return t.untyped_storage().data_ptr(), t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+@dataclass
+class _Access:
+    lo: int
+    hi: int
+    task: int
+    write: bool
+
+
+class _Accesses:
+    """Accesses so far, per storage; an access that a later write covers is dropped (whoever
+    touches it later overlaps that write, which already depends on it)."""
+
+    def __init__(self) -> None:
+        self._by_storage: dict[int, list[_Access]] = {}
+
+    def conflicts(self, s: Span, write: bool) -> set[int]:
+        """Tasks whose accesses conflict with reading (or writing) span `s`."""
+        return {a.task for a in self._by_storage.get(s[0], ()) if a.lo < s[2] and s[1] < a.hi
+                and (write or a.write)}
+
+    def record(self, s: Span, task: int, write: bool) -> None:
+        found = self._by_storage.setdefault(s[0], [])
+        if write:
+            found[:] = [a for a in found if not (s[1] <= a.lo and a.hi <= s[2])]
+        found.append(_Access(s[1], s[2], task, write))
+
+
+def data_flow(tasks: Sequence[Prepared]) -> list[set[int]]:
+    """Per task, the earlier tasks it must follow: read after write, write after read or write."""
+    seen, deps = _Accesses(), []
+    for i, task in enumerate(tasks):
+        writes = [task.out_ref] + [task.inputs[k] for k in task.inputs_written]
+        reads = [x for k, x in enumerate(task.inputs) if k not in task.inputs_written]
+        wspans = [s for s in map(span, writes) if s]
+        rspans = [s for s in map(span, reads) if s]
+        found = set().union(*(seen.conflicts(s, True) for s in wspans),
+                            *(seen.conflicts(s, False) for s in rspans))
+        for s in rspans:
+            seen.record(s, i, False)
+        for s in wspans:
+            seen.record(s, i, True)
+        deps.append(found)
+    return deps
+
+
+def reduce_edges(found: Sequence[set[int]], after: Sequence[tuple[int, ...]]
+                 ) -> tuple[tuple[int, ...], ...]:
+    """Direct dependencies without those another dependency implies (transitive reduction over
+    ancestor bitsets: Python ints, one bit per task)."""
+    ancestors: list[int] = []
+    out = []
+    for i, (flow, extra) in enumerate(zip(found, after)):
+        direct = sorted(flow.union(extra))
+        reach = 0
+        for d in direct:
+            reach |= ancestors[d] | (1 << d)
+        implied = 0
+        for d in direct:
+            implied |= ancestors[d]
+        out.append(tuple(d for d in direct if not implied >> d & 1))
+        ancestors.append(reach)
+    return tuple(out)
+
+
+# -- encoding ------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    """Per-record dependency fields, filled task by task."""
+
+    signal: list[int] = field(default_factory=list)
+    waits: list[tuple[tuple[int, int], ...]] = field(default_factory=list)  # (event, count) pairs
+    joins: list[int] = field(default_factory=list)   # per task: join records before its tiles
+    events: int = 0
+
+    def event(self) -> int:
+        self.events += 1
+        return self.events - 1
+
+
+def plan_events(tasks: Sequence[Prepared], deps: Sequence[tuple[int, ...]]) -> _Plan:
+    """Events of producers, waits of consumers, join records where a task has more producers than
+    a record can wait for. Records of a task: its joins, then its tiles."""
+    producers = {d for ds in deps for d in ds}
+    plan, event_of = _Plan(), {}
+    for i, (task, ds) in enumerate(zip(tasks, deps)):
+        waits = tuple((event_of[d], len(tasks[d].records)) for d in ds)
+        joins = 0
+        if len(waits) > MAX_WAITS:
+            join = plan.event()
+            for k in range(0, len(waits), MAX_WAITS):
+                plan.signal.append(join)
+                plan.waits.append(waits[k:k + MAX_WAITS])
+                joins += 1
+            waits = ((join, joins),)
+        if i in producers:
+            event_of[i] = plan.event()
+        tiles = len(task.records)
+        plan.signal += [event_of.get(i, NO_EVENT)] * tiles
+        plan.waits += [waits] * tiles
+        plan.joins.append(joins)
+    return plan
+
+
+def encode_program(tasks: Sequence[Prepared], deps: tuple[tuple[int, ...], ...],
+                   allocate: Callable[[int], np.ndarray], device: torch.device) -> Program:
+    """Records of every task (joins before their task's tiles) in `allocate`d memory, with the
+    event plan written in; the counters live on `device`."""
+    plan = plan_events(tasks, deps)
+    nop = np.zeros(1, dtype=TASK)
+    nop["op_slot"] = OP_NOP
+    parts = []
+    for task, joins in zip(tasks, plan.joins):
+        parts += [nop.view(RAW_TASK)] * joins + [task.records.view(RAW_TASK)]
+    records = allocate(len(plan.signal))
+    np.concatenate(parts, out=records.view(RAW_TASK))
+    events = torch.zeros(plan.events, dtype=torch.int32, device=device) if plan.events else None
+    _write_plan(records, plan, 0 if events is None else events.data_ptr())
+    _check_plan(records)
+    names: dict[str, int] = {}
+    op_of_task = np.array([names.setdefault(t.op, len(names)) for t in tasks], dtype=np.int32)
+    counts = np.array([len(t.records) + j for t, j in zip(tasks, plan.joins)])
+    owners = np.repeat(np.arange(len(tasks), dtype=np.int32), counts)
+    op_of_record = op_of_task[owners]
+    op_of_record[records["op_slot"] == OP_NOP] = -1
+    listed = TaskList(tuple(tasks), records, owners, tuple(names), op_of_task, op_of_record,
+                      pinned=True)
+    return Program(listed, deps, events, sum(plan.joins))
+
+
+def _write_plan(records: np.ndarray, plan: _Plan, events: int) -> None:
+    """Write signal, wait and wait_count of every record; `events` only where one is used."""
+    wait = np.full((len(records), MAX_WAITS), NO_EVENT, dtype=np.int32)
+    count = np.zeros((len(records), MAX_WAITS), dtype=np.uint32)
+    for r, pairs in enumerate(plan.waits):
+        for k, (event, n) in enumerate(pairs):
+            wait[r, k], count[r, k] = event, n
+    signal = np.array(plan.signal, dtype=np.int32)
+    records["signal"] = signal
+    records["wait"] = wait
+    records["wait_count"] = count
+    records["events"] = np.where((signal != NO_EVENT) | (wait[:, 0] != NO_EVENT), events, 0)
+
+
+def _check_plan(records: np.ndarray) -> None:
+    """The invariant the worker's deadlock freedom rests on (gpuos_worker.cu): every event a
+    record waits for is signalled only by earlier records, exactly as many times as it waits for."""
+    signal = records["signal"]
+    used = signal != NO_EVENT
+    last = np.full(int(signal.max(initial=0)) + 1, -1)
+    np.maximum.at(last, signal[used], np.flatnonzero(used))
+    total = np.bincount(signal[used], minlength=len(last))
+    for k in range(MAX_WAITS):
+        wait, count = records["wait"][:, k], records["wait_count"][:, k]
+        waiting = np.flatnonzero(wait != NO_EVENT)
+        bad = (last[wait[waiting]] >= waiting) | (total[wait[waiting]] != count[waiting])
+        assert not bad.any(), f"program plan broken at records {waiting[bad][:5].tolist()}"

@@ -1,0 +1,199 @@
+"""Device programs: a dependency graph of tasks in one submission gives the same results as the
+same calls run one by one, on each backend; programs larger than the ring, concurrent submitters,
+and operator swaps between runs."""
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from gpuos_core import CudaConfig, OpCall, Runtime, RuntimeConfig
+from gpuos_core.errors import ProgramError, TaskFailedError
+from gpuos_core.tasklist import TaskList
+
+BINARY = ("add", "mul", "sub", "maximum")
+UNARY = ("relu", "sigmoid", "tanh", "neg", "softmax")
+
+
+def runtime(backend: str, **cuda: object) -> Runtime:
+    return Runtime(config=RuntimeConfig(backend=backend, cuda=CudaConfig(**cuda)))
+
+
+@pytest.fixture(scope="module")
+def rt(backend: str) -> Runtime:
+    with runtime(backend) as made:
+        if backend == "cpu":  # tile large tasks here too, so tiled producers are exercised
+            made.backend.tile_elements = 512
+        yield made
+
+
+def random_calls(rt: Runtime, n: int, seed: int) -> tuple[list[OpCall], list[tuple[int, ...]]]:
+    """A random DAG: each call reads fresh tensors or earlier results (chains, diamonds, fan-in),
+    some results are overwritten later through `out=` (write after read), some calls carry an
+    explicit `after=`. Inputs are CPU-drawn so both backends see the same numbers."""
+    gen, pick = torch.Generator().manual_seed(seed), random.Random(seed)
+    shape = (pick.choice((3, 40, 130)), pick.choice((7, 64, 301)))
+    fresh = [torch.randn(shape, generator=gen).to(rt.device) for _ in range(4)]
+    made: list[torch.Tensor] = []
+    calls, after = [], []
+    for i in range(n):
+        pool = fresh + made
+        op = pick.choice(BINARY + UNARY)
+        args = tuple(pick.choice(pool) for _ in range(1 if op in UNARY else 2))
+        out = pick.choice(made) if made and pick.random() < 0.15 else torch.empty(shape, device=rt.device)
+        calls.append(OpCall(op, args, out=out))
+        after.append(tuple(pick.sample(range(i), min(i, 2))) if pick.random() < 0.1 else ())
+        made.append(out)
+    return calls, after
+
+
+def one_by_one(rt: Runtime, calls: list[OpCall]) -> list[torch.Tensor]:
+    """The same calls, each submitted alone and waited for, on copies of their outputs."""
+    twins: dict[int, torch.Tensor] = {}
+
+    def twin(x: torch.Tensor) -> torch.Tensor:
+        return twins.get(id(x), x)
+
+    for call in calls:
+        out = twins.setdefault(id(call.out), call.out.clone())
+        rt.submit([rt.prepare(OpCall(call.op, tuple(map(twin, call.inputs)), out=out))]).wait(30)
+    return [twins[id(c.out)] for c in calls]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_dags_equal_the_calls_run_one_by_one(rt: Runtime, seed: int) -> None:
+    calls, after = random_calls(rt, 40, seed)
+    want = one_by_one(rt, calls)
+    build = rt.program()
+    for call, order in zip(calls, after):
+        build.add(call, after=order)
+    program = build.build()
+    for _ in range(2):  # a program runs again with no re-encoding, same answers
+        for call in calls[::3]:
+            call.out.fill_(float("nan"))  # every result is recomputed by the run
+        rt.submit(program).wait(30).results()
+        for got, ref in zip((c.out for c in calls), want):
+            assert torch.equal(got, ref)
+
+
+def test_edges_follow_data_flow_and_drop_implied_ones() -> None:
+    with Runtime("cpu") as rt:
+        x = torch.randn(4, 8)
+        build = rt.program()
+        a = build.add(OpCall("relu", (x,)))             # 0
+        b = build.add(OpCall("sigmoid", (a,)))          # 1: reads 0
+        c = build.add(OpCall("tanh", (a,)))             # 2: reads 0
+        d = build.add(OpCall("add", (b, c)))            # 3: diamond: 1 and 2
+        build.add(OpCall("add", (d, a)))                # 4: reads 3 and 0; 0 implied by 3
+        build.add(OpCall("neg", (x,), out=a))           # 5: overwrites a: after its readers 1, 2, 4
+        build.add(OpCall("relu", (x,)), after=(0,))     # 6: only the explicit order
+        program = build.build()
+        assert program.deps == ((), (0,), (0,), (1, 2), (3,), (4,), (0,))
+        rt.submit(program).wait(10)
+        torch.testing.assert_close(a, -x)  # the overwrite ran after every reader of a
+
+
+def test_a_task_with_more_producers_than_waits_gets_join_records(rt: Runtime) -> None:
+    x = torch.randn(64, 64).to(rt.device)
+    build = rt.program()
+    parts = [build.add(OpCall("mul", (x, torch.full_like(x, float(k))))) for k in range(5)]
+    build.add(OpCall("neg", (x,), out=x))  # writes x after all five readers: five producers
+    s = build.add(OpCall("add", (parts[0], parts[1])))
+    s2 = build.add(OpCall("add", (parts[2], parts[3])))
+    last = build.add(OpCall("add", (s, s2)))
+    program = build.build()
+    assert program.joins == 3 and len(program.deps[5]) == 5
+    ref = x.clone()
+    rt.submit(program).wait(30)
+    torch.testing.assert_close(x, -ref)
+    torch.testing.assert_close(last, ref * 6)
+
+
+def test_a_program_ten_times_the_ring_runs_as_space_frees(backend: str) -> None:
+    with runtime(backend, capacity=64, publish_chunk=16) as rt:
+        x = torch.randn(1000).to(rt.device)
+        build = rt.program()
+        y = x
+        for k in range(700):  # a dependent chain: every record waits for the one before it
+            y = build.add(OpCall("add", (y, x)))
+        program = build.build()
+        for _ in range(2):
+            rt.submit(program).wait(60)
+            torch.testing.assert_close(y, x * 701, rtol=1e-4, atol=1e-3)
+
+
+def test_waits_survive_the_worker_lease_ending_mid_program(backend: str) -> None:
+    with runtime(backend, lease_ms=1, idle_us=50) as rt:
+        x = torch.randn(256, 256).to(rt.device)
+        build = rt.program()
+        rows = [build.add(OpCall("softmax", (x,)))]
+        for _ in range(400):
+            rows.append(build.add(OpCall("add", (rows[-1], x))))
+        rt.submit(build.build()).wait(60)
+        torch.testing.assert_close(rows[-1], torch.softmax(x, -1) + 400 * x, rtol=1e-4, atol=1e-3)
+
+
+def test_eight_threads_submit_programs_and_plain_batches_at_once(rt: Runtime) -> None:
+    errors: list[str] = []
+
+    def client(k: int) -> None:
+        x = torch.full((33, 77), float(k)).to(rt.device)
+        build = rt.program()
+        y = x
+        for _ in range(30):
+            y = build.add(OpCall("add", (y, x)))
+        program = build.build()
+        for _ in range(5):
+            rt.submit(program)
+            plain = rt.submit([rt.prepare(OpCall("mul", (x, x))) for _ in range(4)]).wait(60)
+            rt.submit(program).wait(60)  # waits for the run before it first
+            if not torch.equal(y, x * 31) or not all(torch.equal(o, x * x) for o in plain.results()):
+                errors.append(f"thread {k}: wrong result")
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_swap_and_rollback_take_effect_at_the_next_run(rt: Runtime) -> None:
+    rt.register("prog_affine", "A * 2 + 1")
+    x = torch.randn(500).to(rt.device)
+    build = rt.program()
+    y = build.add(OpCall("prog_affine", (x,)))
+    z = build.add(OpCall("add", (y, y)))
+    program = build.build()
+    runs = []
+    for change in (None, lambda: rt.swap("prog_affine", "A * 3"), lambda: rt.rollback("prog_affine")):
+        if change:
+            change()
+        runs.append((rt.submit(program).wait(30).versions[0], z.clone()))
+    assert [v for v, _ in runs] == [1, 2, 1]
+    torch.testing.assert_close(runs[0][1], 2 * (2 * x + 1))
+    torch.testing.assert_close(runs[1][1], 2 * (3 * x))
+    torch.testing.assert_close(runs[2][1], 2 * (2 * x + 1))
+
+
+def test_bad_programs_are_refused_with_what_to_fix() -> None:
+    with Runtime("cpu") as rt:
+        build = rt.program()
+        with pytest.raises(ProgramError, match="at least one task"):
+            build.build()
+        with pytest.raises(ProgramError, match=r"after=\[0\] must name earlier tasks"):
+            build.add(OpCall("relu", (torch.ones(3),)), after=(0,))
+
+
+def test_the_cpu_backend_fails_a_record_whose_wait_can_never_be_met() -> None:
+    with Runtime("cpu") as rt:
+        task = rt.prepare(OpCall("relu", (torch.ones(4),)))
+        records = task.records.copy()
+        records["wait"][:, 0], records["wait_count"][:, 0] = 0, 1  # an event nothing signals
+        owners = np.zeros(1, dtype=np.int32)
+        listed = TaskList((task,), records, owners, (task.op,), owners, owners)
+        with pytest.raises(TaskFailedError, match="producers must precede"):
+            rt.submit(listed).wait(10).result(0)
