@@ -1,0 +1,174 @@
+"""The linear operator (out = x W^T + bias, issue 12) on each backend against torch in float64:
+decode and prefill row counts, K and N off the tile sizes, fp32/fp16/bf16, leading dims and
+strided views (both kernel paths on a GPU), split-K plans, records cut anywhere, reruns, and the
+validation messages. The plan's arithmetic is checked against the kernel's header."""
+from __future__ import annotations
+
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpuos_core import OpCall, Runtime
+from gpuos_core.abi import TASK, encode_task
+from gpuos_core.calls import Prepared
+from gpuos_core.errors import TensorSpecError
+from gpuos_core.families import (DEFAULT_SMS, LINEAR_COLS, LINEAR_KSTEP, LINEAR_PART_ROWS,
+                                 LINEAR_ROWS, LINEAR_STEP_ALIGN, LinearPlan, family)
+from gpuos_core.paths import CUDA_DIR
+from test_catalogue import DTYPES, TOLERANCE, rel_error
+
+
+@pytest.fixture(scope="module")
+def rt(backend: str) -> Runtime:
+    with Runtime(backend) as runtime:
+        if backend == "cpu":  # cut tasks into records here too, so each record writes part of out
+            runtime.backend.tile_elements = 512
+        yield runtime
+
+
+def randn(rt: Runtime, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Normal samples drawn on the CPU (the same numbers on every backend), on the runtime's
+    device, scaled so that outputs stay O(1) whatever K."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) / shape[-1] ** 0.25).to(dtype=dtype, device=rt.device)
+
+
+def check(rt: Runtime, task: Prepared) -> None:
+    """Run `task` alone and compare with F.linear of its inputs in float64."""
+    rt.submit([task]).wait(30)
+    x, w, bias = (t.double() for t in task.inputs[:3])
+    ref = F.linear(x, w, bias if bias.numel() else None)
+    err = rel_error(task.out, ref)
+    assert err < TOLERANCE[task.out.dtype], f"linear {tuple(x.shape)} x {tuple(w.shape)}: {err:.2e}"
+
+
+def linear(rt: Runtime, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           **call: object) -> Prepared:
+    return rt.prepare(OpCall("linear", (x, w) if bias is None else (x, w, bias), **call))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 200])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_linear_matches_torch(rt: Runtime, dtype: torch.dtype, m: int, with_bias: bool) -> None:
+    # K = 200 is no multiple of a 32-wide step, N = 130 no multiple of a 64-wide tile; K = 1000
+    # splits K into several ranges for few rows; K = 100 (not a multiple of 8) takes the CUDA-core
+    # path on a GPU.
+    for seed, (k, n) in enumerate([(200, 130), (1000, 70), (100, 64)]):
+        x, w = randn(rt, (m, k), dtype, seed), randn(rt, (n, k), dtype, seed + 100)
+        bias = randn(rt, (n,), dtype, seed + 200) if with_bias else None
+        check(rt, linear(rt, x, w, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_leading_dims_and_strided_views(rt: Runtime, dtype: torch.dtype) -> None:
+    w, bias = randn(rt, (96, 64), dtype, 1), randn(rt, (96,), dtype, 2)
+    x = randn(rt, (2, 3, 64), dtype, 3)
+    task = linear(rt, x, w, bias)
+    assert task.out.shape == (2, 3, 96)
+    check(rt, task)
+    check(rt, linear(rt, x.transpose(0, 1), w, bias))      # rows not one stride apart
+    check(rt, linear(rt, x[..., ::2], w[:, :32], bias))    # K strided in x and in W
+    wide = randn(rt, (6, 80), dtype, 4)
+    check(rt, linear(rt, wide[:, 8:72], w, bias))          # rows 80 apart, 16-byte aligned
+    check(rt, linear(rt, wide[:, 1:65], w, bias))          # rows off 16-byte alignment
+    task = linear(rt, x[0, 0], w)                          # one row, no leading dims
+    assert task.out.shape == (96,)
+    check(rt, task)
+
+
+def test_given_out_views_and_out_dtype(rt: Runtime) -> None:
+    x, w = randn(rt, (5, 64), torch.float16, 1), randn(rt, (70, 64), torch.float16, 2)
+    buffer = torch.full((5, 80), float("nan"), dtype=torch.float16, device=rt.device)
+    task = linear(rt, x, w, out=buffer[:, 3:73])           # rows 80 apart
+    check(rt, task)
+    assert torch.isnan(buffer[:, :3]).all() and torch.isnan(buffer[:, 73:]).all()
+    scattered = torch.full((3, 2, 70), float("nan"), device=rt.device).transpose(0, 1)[:, :, :]
+    check(rt, linear(rt, x[:3].unsqueeze(0).expand(2, 3, 64), w, out=scattered))  # rows apart
+    task = linear(rt, x, w, out_dtype=torch.float32)
+    assert task.out.dtype == torch.float32
+    check(rt, task)
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_split_k_records_cut_anywhere_and_rerun(rt: Runtime, m: int) -> None:
+    x = randn(rt, (m, 2048), torch.float16, 5)
+    w, bias = randn(rt, (100, 2048), torch.float16, 6), randn(rt, (100,), torch.float16, 7)
+    task = linear(rt, x, w, bias)
+    plan = LinearPlan.of(*task.inputs[:2], task.inputs[3])
+    assert plan.splits > 1 and task.items == plan.items
+    cuts = sorted(random.sample(range(1, task.items), min(5, task.items - 1)))
+    ranges = list(zip([0] + cuts, cuts + [task.items]))
+    task.records = np.empty(len(ranges), dtype=TASK)
+    encode_task(task.records, ranges, task.out_ref, task.inputs, task.params.scalars)
+    check(rt, task)
+    task.out.fill_(float("nan"))  # a rerun: the last split of each tile reset its counter
+    check(rt, task)
+    x.mul_(-1)  # inputs change in place between runs, as a device program's do
+    check(rt, task)
+
+
+def test_many_tasks_in_one_submission(rt: Runtime) -> None:
+    w = randn(rt, (300, 512), torch.bfloat16, 8)
+    xs = [randn(rt, (m, 512), torch.bfloat16, 9 + m) for m in (1, 2, 8, 17)]
+    tasks = [linear(rt, x, w) for x in xs for _ in range(3)]
+    rt.submit(tasks).wait(30)
+    for task in tasks:
+        ref = F.linear(task.inputs[0].double(), w.double())
+        assert rel_error(task.out, ref) < TOLERANCE[torch.bfloat16]
+
+
+def test_bad_inputs_are_rejected(rt: Runtime) -> None:
+    x, w = randn(rt, (4, 64), torch.float16, 1), randn(rt, (32, 64), torch.float16, 2)
+    cases = [
+        ((x, w[0]), r"input 1 \(weight\) must be \[out_features, in_features\]"),
+        ((x, w[:, :60]), r"in_features the last dim of input 0 \(x\) \(4, 64\), got \(32, 60\)"),
+        ((x, w, x[0, :31]), r"input 2 \(bias\) must have shape \(32,\)"),
+        ((x, w.float()), r"must share one dtype, got torch.float16, torch.float32"),
+        ((x[0, 0], w), r"linear input 0 \(x\) must have 1 to 6 dims"),
+        ((x,), r"linear takes 2 to 3 tensor input\(s\), got 1"),
+        ((x, w.to(torch.int32)), r"linear input 1 has dtype torch.int32"),
+    ]
+    for inputs, message in cases:
+        with pytest.raises(TensorSpecError, match=message):
+            rt.prepare(OpCall("linear", inputs))
+
+
+def test_the_plan_agrees_with_the_kernel() -> None:
+    header = (CUDA_DIR / "ops" / "linear.cuh").read_text()
+    defines = dict(re.findall(r"#define GPUOS_LINEAR_(\w+) (\d+)", header))
+    assert {k: int(defines[k]) for k in ("BM", "BN", "KSTEP", "STEP_ALIGN", "PART_ROWS")} == {
+        "BM": LINEAR_ROWS, "BN": LINEAR_COLS, "KSTEP": LINEAR_KSTEP,
+        "STEP_ALIGN": LINEAR_STEP_ALIGN, "PART_ROWS": LINEAR_PART_ROWS}
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 2304, 768), (1, 768, 3072), (1, 50257, 768),
+                                   (64, 2048, 8192), (64, 8192, 2048), (512, 2048, 2048),
+                                   (3, 70, 1000), (5, 5, 0), (0, 5, 5)])
+def test_plans_fill_the_device_without_empty_splits(m: int, n: int, k: int) -> None:
+    plan = LinearPlan.choose(m, n, k, DEFAULT_SMS)
+    steps = -(-k // LINEAR_KSTEP)
+    assert plan.kch % LINEAR_STEP_ALIGN == 0
+    assert plan.splits == 1 or -(-steps // plan.kch) == plan.splits  # the last split has steps
+    assert plan.items == plan.tiles * plan.splits
+    assert (plan.workspace_words == 0) == (plan.splits == 1)
+    if plan.splits > 1:
+        assert plan.items <= 2 * DEFAULT_SMS and plan.counters % 4 == 0
+    words = torch.empty(plan.workspace_words, dtype=torch.int32)
+    x, w = torch.empty(m, k), torch.empty(n, k)
+    assert LinearPlan.of(x, w, words) == plan  # the splits read back as the device reads them
+
+
+def test_records_are_neighbouring_items_one_per_multiprocessor_at_most() -> None:
+    with Runtime("cpu") as runtime:
+        x, w = torch.randn(1, 768), torch.randn(50257, 768)
+        task = runtime.prepare(OpCall("linear", (x, w)))
+    ranges = family("linear").ranges(task, 16384)
+    assert len(ranges) == DEFAULT_SMS and ranges[0][0] == 0 and ranges[-1][1] == task.items
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert max(e - b for b, e in ranges) - min(e - b for b, e in ranges) <= 1
+    assert family("linear").ranges(task, None) == [(0, task.items)]
