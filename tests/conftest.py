@@ -1,7 +1,14 @@
 """Suite-wide pytest hooks: tests marked `gpu` are skipped on machines without a CUDA device."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from gpuos_core import Runtime
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -27,3 +34,15 @@ BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 def backend(request: pytest.FixtureRequest) -> str:
     """Name of the runtime backend under test."""
     return request.param
+
+
+@pytest.fixture(scope="module")
+def tiled_rt(backend: str) -> Iterator[Runtime]:
+    """A runtime on `backend`; on the CPU its tasks are tiled too (512 elements a record), so
+    records that cover part of a task's work items run there as they do on a GPU."""
+    from gpuos_core import Runtime
+
+    with Runtime(backend) as runtime:
+        if backend == "cpu":
+            runtime.backend.tile_elements = 512
+        yield runtime

@@ -19,11 +19,8 @@ SHAPES = [(1, 1), (3, 7), (5, 33), (2, 3, 300), (1, 4096), (17, 1000), (64, 257)
 
 
 @pytest.fixture(scope="module")
-def rt(backend: str) -> Runtime:
-    with Runtime(backend) as runtime:
-        if backend == "cpu":  # tile tasks here too, so records covering part of the rows run
-            runtime.backend.tile_elements = 512
-        yield runtime
+def rt(tiled_rt: Runtime) -> Runtime:
+    return tiled_rt
 
 
 def randn(rt: Runtime, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

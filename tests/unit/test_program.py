@@ -23,11 +23,8 @@ def runtime(backend: str, **cuda: object) -> Runtime:
 
 
 @pytest.fixture(scope="module")
-def rt(backend: str) -> Runtime:
-    with runtime(backend) as made:
-        if backend == "cpu":  # tile large tasks here too, so tiled producers are exercised
-            made.backend.tile_elements = 512
-        yield made
+def rt(tiled_rt: Runtime) -> Runtime:
+    return tiled_rt
 
 
 def random_calls(rt: Runtime, n: int, seed: int) -> tuple[list[OpCall], list[tuple[int, ...]]]:
