@@ -9,8 +9,9 @@
  *           words, then S * T partial blocks of P x 64 fp32, T = MB * NT tiles;
  *   out [..., N] with x's leading dims, any float dtype; computed in fp32.
  * Tiles: an m-block is 64 rows of x (MB = ceil(M / 64)), an n-tile 64 outputs (NT = ceil(N / 64)),
- * P = min(M, 64) rounded up to 16. K is cut into S splits of kch steps of 32 (kch = ceil(ceil(K / 32)
- * / S) rounded up to 8; every split has at least one step); S follows from the workspace's length.
+ * P = min(M, 64) rounded up to 16. K is cut into S splits of kch steps of 32 (kch =
+ * ceil(ceil(K / 32) / S) rounded up to 8; every split has at least one step); S follows from the
+ * workspace's length.
  * A work item is one (m-block, split, n-tile), numbered i = (nt * S + s) * MB + mb (neighbouring
  * items share a tile of W, or a tile's splits); a record covers items [range_begin, range_end).
  *
@@ -19,18 +20,20 @@
  * after the last); the block that sees S - 1 sums the S blocks in split order, adds the bias and
  * writes out. A task must not run concurrently with itself (a second run would share counters).
  *
- * Tensor-core path (fp16/bf16, 16-byte aligned rows of x and W, K % 8 == 0, rows of x and out one
- * stride apart, blockDim >= 256): 8 warps each own 8 rows of the n-tile; mma.sync m16n8k16 with
- * x as A (m16 tiles of rows) and W as B, so that a warp's W fragment is one 16-byte load per lane
- * per step: lane (g, q) loads W[row g][k + 8q .. k + 8q + 7] and x likewise, and the two products
- * of a step read those 8 values in an order permuted consistently for A and B (the dot product
- * does not care). Memory: W streams straight into registers through a ring D steps deep
- * (ld.global.nc, read once) and is prefetched into L2 8-16 steps ahead; x goes through 3 stages
- * of shared memory (cp.async.cg: L2, never a stale L1 line) shared by the 8 warps, 4 KB each.
- * Both streams run across the items of a record, so an item's epilogue overlaps the next item's
- * loads. Static shared memory: 12 KB of stages plus the plan (about 12.4 KB in all).
- * Anything else (fp32, odd strides or alignment, small blocks) takes the CUDA-core path: one
- * thread per output, same items, same combine. */
+ * Tensor-core path (fp16/bf16, K > 0 and K % 8 == 0, 16-byte aligned rows of x and W, rows of x
+ * and of out one stride apart, blockDim >= 256): 8 warps each own 8 rows of the n-tile; mma.sync
+ * m16n8k16 with x as A (m16 tiles of rows, 1 to 4 by the m-block's size) and W as B, so that a
+ * warp's W fragment is one 16-byte load per lane per step: lane (g, q) loads
+ * W[row g][k + 8q .. k + 8q + 7] and x likewise, and the two products of a step read those 8
+ * values in an order permuted consistently for A and B (the dot product does not care).
+ * Memory: W streams straight into registers through a ring GPUOS_LINEAR_RING steps deep
+ * (ld.global.nc, read once; 16 KB in flight per SM) and is prefetched into L2 16 to 24 steps
+ * ahead (one bulk prefetch per row on sm_90), so that the ring's loads hit L2; x goes through 3
+ * stages of shared memory (cp.async.cg: L2, never a stale L1 line) shared by the 8 warps. Both
+ * streams run on across the items of a record, so an item's epilogue overlaps the next item's
+ * loads. Registers: 64 (the NVRTC cap); static shared memory 12,388 bytes (stages 12 KB).
+ * Anything else (fp32, odd strides or alignment, K = 0, small blocks) takes the CUDA-core path:
+ * one thread per output, same items, same combine. */
 #pragma once
 
 #include "gpuos_device.cuh" /* found through -I<repo>/cuda */
@@ -39,7 +42,7 @@
 #define GPUOS_LINEAR_BN 64          /* outputs per n-tile */
 #define GPUOS_LINEAR_WARPS 8        /* warps of the tensor-core path: 8 rows of W each */
 #define GPUOS_LINEAR_KSTEP 32       /* k per step: two m16n8k16 products */
-#define GPUOS_LINEAR_STEP_ALIGN 8   /* a split's steps come in multiples of this (the deepest ring) */
+#define GPUOS_LINEAR_STEP_ALIGN 8   /* a split's steps come in multiples of this */
 #define GPUOS_LINEAR_PART_ROWS 16   /* partial blocks have rows rounded up to this */
 #define GPUOS_LINEAR_STAGES 3       /* x stages in shared memory */
 #define GPUOS_LINEAR_STAGE_BYTES 4096
@@ -97,9 +100,10 @@ __device__ __forceinline__ bool gpuos_linear_fast(const GpuosTask* t, const Gpuo
   const GpuosTensorRef &x = t->in[0], &w = t->in[1];
   const bool half = x.dtype == GPUOS_DTYPE_F16 || x.dtype == GPUOS_DTYPE_BF16;
   const bool rows = p.xrs >= 0 && p.xrs % 8 == 0 && p.ors >= 0 && w.strides[0] % 8 == 0;
-  const bool unit = p.k == 0 || (x.strides[x.ndim - 1] == 1 && w.strides[1] == 1);
-  return half && x.dtype == w.dtype && rows && unit && p.k % 8 == 0 && gpuos_aligned16(x.data) &&
-         gpuos_aligned16(w.data) && blockDim.x >= GPUOS_LINEAR_MMA_THREADS;
+  const bool unit = x.strides[x.ndim - 1] == 1 && w.strides[1] == 1;
+  const bool aligned = p.k % 8 == 0 && gpuos_aligned16(x.data) && gpuos_aligned16(w.data);
+  return half && x.dtype == w.dtype && rows && unit && aligned && p.k > 0 &&
+         blockDim.x >= GPUOS_LINEAR_MMA_THREADS;
 }
 
 __device__ __forceinline__ GpuosLinearPlan gpuos_linear_plan(const GpuosTask* t) {
@@ -112,10 +116,11 @@ __device__ __forceinline__ GpuosLinearPlan gpuos_linear_plan(const GpuosTask* t)
   p.ntiles = (p.n + GPUOS_LINEAR_BN - 1) / GPUOS_LINEAR_BN;
   p.prows = (min(p.m, GPUOS_LINEAR_BM) + GPUOS_LINEAR_PART_ROWS - 1) & -GPUOS_LINEAR_PART_ROWS;
   const unsigned tiles = p.mblocks * p.ntiles, block = tiles * p.prows * GPUOS_LINEAR_BN;
-  p.splits = ws.numel == 0 ? 1
-                           : static_cast<int>((static_cast<unsigned>(ws.numel) - gpuos_linear_counters(tiles)) / block);
+  const unsigned partials = static_cast<unsigned>(ws.numel) - gpuos_linear_counters(tiles);
+  p.splits = ws.numel == 0 ? 1 : static_cast<int>(partials / block);
   const int steps = (p.k + GPUOS_LINEAR_KSTEP - 1) / GPUOS_LINEAR_KSTEP;
-  p.kch = ((steps + p.splits - 1) / p.splits + GPUOS_LINEAR_STEP_ALIGN - 1) & -GPUOS_LINEAR_STEP_ALIGN;
+  const int per_split = (steps + p.splits - 1) / p.splits;
+  p.kch = (per_split + GPUOS_LINEAR_STEP_ALIGN - 1) & -GPUOS_LINEAR_STEP_ALIGN;
   p.xrs = gpuos_linear_row_stride(x);
   p.ors = gpuos_linear_row_stride(t->out);
   p.fast = gpuos_linear_fast(t, p);
@@ -123,7 +128,7 @@ __device__ __forceinline__ GpuosLinearPlan gpuos_linear_plan(const GpuosTask* t)
 }
 
 __device__ __forceinline__ GpuosLinearItem gpuos_linear_item(const GpuosLinearPlan& p, int i) {
-  const unsigned mb = static_cast<unsigned>(i) % p.mblocks, rest = static_cast<unsigned>(i) / p.mblocks;
+  const unsigned u = static_cast<unsigned>(i), mb = u % p.mblocks, rest = u / p.mblocks;
   GpuosLinearItem it;
   it.mb = mb;
   it.s = rest % p.splits;
@@ -131,7 +136,8 @@ __device__ __forceinline__ GpuosLinearItem gpuos_linear_item(const GpuosLinearPl
   it.rows = min(GPUOS_LINEAR_BM, p.m - GPUOS_LINEAR_BM * it.mb);
   it.k0 = it.s * p.kch * GPUOS_LINEAR_KSTEP;
   it.k1 = min(p.k, it.k0 + p.kch * GPUOS_LINEAR_KSTEP);
-  const int steps = it.k1 > it.k0 ? (it.k1 - it.k0 + GPUOS_LINEAR_KSTEP - 1) / GPUOS_LINEAR_KSTEP : 0;
+  const int k = it.k1 - it.k0;
+  const int steps = k > 0 ? (k + GPUOS_LINEAR_KSTEP - 1) / GPUOS_LINEAR_KSTEP : 0;
   it.steps = (steps + GPUOS_LINEAR_STEP_ALIGN - 1) & -GPUOS_LINEAR_STEP_ALIGN;
   return it;
 }
@@ -160,7 +166,8 @@ __device__ __forceinline__ float* gpuos_linear_part(const GpuosTask* t, const Gp
  * split's partial. */
 template <bool UNIFORM>
 __device__ __forceinline__ void gpuos_linear_emit(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                  const GpuosLinearItem& it, int r, int c, float v) {
+                                                  const GpuosLinearItem& it, int r, int c,
+                                                  float v) {
   if (p.splits == 1) {
     gpuos_linear_final<UNIFORM>(t, p, GPUOS_LINEAR_BM * it.mb + r, GPUOS_LINEAR_BN * it.nt + c, v);
   } else {
@@ -190,7 +197,8 @@ __device__ __forceinline__ void gpuos_linear_combine(const GpuosTask* t, const G
       }
 #pragma unroll
       for (int u = 0; u < GPUOS_ILP; ++u) {
-        if (s0 + u < p.splits) sum[0] += v[u].x, sum[1] += v[u].y, sum[2] += v[u].z, sum[3] += v[u].w;
+        if (s0 + u >= p.splits) continue;
+        sum[0] += v[u].x, sum[1] += v[u].y, sum[2] += v[u].z, sum[3] += v[u].w;
       }
     }
 #pragma unroll
@@ -211,8 +219,9 @@ __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const Gp
   __threadfence(); /* this thread's partials are visible before the count that announces them */
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned int* counter = reinterpret_cast<unsigned int*>(t->in[3].data) + it.nt * p.mblocks + it.mb;
-    *last = atomicInc(counter, p.splits - 1) == static_cast<unsigned int>(p.splits - 1);
+    unsigned int* counters = reinterpret_cast<unsigned int*>(t->in[3].data);
+    const unsigned int seen = atomicInc(counters + it.nt * p.mblocks + it.mb, p.splits - 1);
+    *last = seen == static_cast<unsigned int>(p.splits - 1);
   }
   __syncthreads();
   if (*last) {
@@ -306,9 +315,9 @@ __device__ __forceinline__ void gpuos_mma16816(float (&d)[4], unsigned int a0, u
   }
 }
 
-/* One lane's walk along k of one row of x or W through the items of a record: the 16-bit element
- * at p, and how many elements of the item's k range remain from there (<= 0: past its end, or the
- * row does not exist; nothing is loaded then). */
+/* One lane's walk along k of a row of W through the items of a record: the 16-bit element at p,
+ * and how many elements of the item's k range remain from there (<= 0: past its end, or the row
+ * does not exist; nothing is loaded then). */
 struct GpuosLinearCursor {
   const char* p;
   int left;
@@ -472,7 +481,8 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
           gpuos_cp_async_wait<NS - 2>();
           __syncthreads();
           const int refill = consume == 0 ? NS - 1 : consume - 1;
-          gpuos_linear_issue_x<R, D>(t, p, xstage, issued++, base + refill * GPUOS_LINEAR_STAGE_BYTES);
+          const unsigned int into = base + refill * GPUOS_LINEAR_STAGE_BYTES;
+          gpuos_linear_issue_x<R, D>(t, p, xstage, issued++, into);
           xs = base + consume * GPUOS_LINEAR_STAGE_BYTES;
           consume = consume == NS - 1 ? 0 : consume + 1;
         }
@@ -487,7 +497,8 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
 #pragma unroll
         for (int a = 0; a < TILES; ++a) {
           const uint4 lo = gpuos_lds16(xl + 16 * a * St::PITCH);
-          const uint4 hi = R < 16 ? make_uint4(0, 0, 0, 0) : gpuos_lds16(xl + (16 * a + 8) * St::PITCH);
+          const uint4 hi =
+              R < 16 ? make_uint4(0, 0, 0, 0) : gpuos_lds16(xl + (16 * a + 8) * St::PITCH);
           gpuos_mma16816<BF16>(acc[a], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
           gpuos_mma16816<BF16>(acc[a], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
         }
@@ -528,6 +539,7 @@ __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
   __shared__ GpuosLinearXStage xstage[2];
   __shared__ int last;
   __shared__ __align__(128) char stages[GPUOS_LINEAR_STAGES * GPUOS_LINEAR_STAGE_BYTES];
+  if (t->range_begin >= t->range_end) return; /* no items (an empty x or W): uniform */
   if (threadIdx.x == 0) plan = gpuos_linear_plan(t);
   __syncthreads();
   const int rows = min(plan.m, GPUOS_LINEAR_BM);

@@ -1,0 +1,234 @@
+"""Kernel benchmarks of the runtime's matmul-class operators on a CUDA device: each figure beside
+torch's in the same run and beside the device's copy bandwidth measured in that run. Writes
+kernels-<device>-<commit>.json (device, commit, every row, a flat summary) to --out and prints a
+table per section.
+
+    python3 bench/kernels.py --out bench/results [--quick]
+
+Timing. Ours: one runtime submission of back-to-back tasks (encoded once, rt.submit(...).wait()).
+Torch's: the same calls replayed from one CUDA graph. Each side is timed at CALLS and at 2 CALLS
+calls, and a call's time is the difference over CALLS: what one more call costs, without the
+submission's or the graph launch's fixed cost. Calls rotate over copies of the weights spanning
+several times the L2, so that every call reads them from device memory, as a decode step does.
+Host timing around work that ends in a stream synchronize, never a device-wide one (it would wait
+for the worker's lease); torch's graphs are captured before the runtime starts its worker
+(capture synchronizes the device and empties torch's cache).
+
+Sections: `linear` (issue 12). Another section (attention) adds a Section to SECTIONS: its
+`baseline` runs before the runtime exists, `measure` with it; its summary keys join the summary.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import functools
+import json
+import math
+import re
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gpuos_core import OpCall, Runtime
+from micro import describe, graph_of, med, sync, times_ms  # bench/ is the script's directory
+
+faulthandler.dump_traceback_later(540, exit=True)  # a hang prints where it stuck, then exits
+DEV = torch.device("cuda")
+CALLS = 100          # calls per timed submission / graph (and twice as many)
+L2_SPAN = 4          # the rotated weights span this many times the L2
+LINEAR_SHAPES = [(768, 2304), (768, 3072), (3072, 768), (768, 50257), (2048, 2048),
+                 (2048, 8192), (8192, 2048)]  # (K, N): input dim x output dim
+LINEAR_ROWS = [1, 8, 32, 64]
+DECODE_ROWS = 64       # rows of a decode step's matmul, at most (summary.linear_min_bw_frac)
+BIG_WEIGHTS = 16 << 20  # ... over weights of at least this many bytes
+
+
+@dataclass
+class Context:
+    """What every section's measurement shares."""
+
+    copy_gbps: float  # device-to-device copy, bytes read plus written per second, / 1e9
+    reps: int         # timed repetitions (medians are reported)
+    l2_bytes: int
+
+
+@dataclass
+class Case:
+    """One measured shape: torch's figures in its row, and how to make and check our calls (which
+    hold its tensors)."""
+
+    row: dict[str, Any]                        # what the JSON and the table show
+    make_calls: Callable[[int], list[OpCall]]  # n calls of our operator, outputs preallocated
+    check: Callable[[list[OpCall]], float]     # relative error of our first call's output
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    baseline: Callable[[Context, bool], list[Case]]  # tensors and torch's timings; no runtime yet
+    measure: Callable[[Runtime, Case, Context], None]  # our timings into case.row
+    summarise: Callable[[list[dict]], dict[str, float]]
+    show: Callable[[dict], str]                      # one table line per row
+
+
+def copy_bandwidth(reps: int) -> float:
+    """GB/s of a 1 GiB device-to-device copy (bytes read plus written), median of `reps`."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms = med(times_ms(lambda: (dst.copy_(src), sync()), reps))
+    return 2 * src.numel() / ms / 1e6
+
+
+def per_call_ms(run: Callable[[int], Callable[[], object]], reps: int) -> tuple[float, float]:
+    """(ms one more call costs, ms per call at CALLS calls): `run(n)` returns a function that makes
+    n calls and waits for them."""
+    one, two = run(CALLS), run(2 * CALLS)
+    t1, t2 = med(times_ms(one, reps)), med(times_ms(two, reps))
+    return (t2 - t1) / CALLS, t1 / CALLS
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+# ---- linear -----------------------------------------------------------------------------------
+
+def linear_weights(k: int, n: int, ctx: Context, seed: int) -> list[torch.Tensor]:
+    """Copies of one fp16 weight [n, k], enough to span L2_SPAN times the L2 (at most 2 CALLS)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    first = (torch.randn(n, k, generator=gen, device=DEV) / math.sqrt(k)).half()
+    copies = min(2 * CALLS, max(1, math.ceil(L2_SPAN * ctx.l2_bytes / first.nbytes)))
+    return [first] + [first.clone() for _ in range(copies - 1)]
+
+
+def linear_calls(x: torch.Tensor, weights: list[torch.Tensor], outs: torch.Tensor, count: int
+                 ) -> list[OpCall]:
+    """`count` calls x @ W.T, rotating over the weights, each into its own output."""
+    return [OpCall("linear", (x, weights[i % len(weights)]), out=outs[i]) for i in range(count)]
+
+
+def torch_linear_graph(x: torch.Tensor, weights: list[torch.Tensor], count: int
+                       ) -> Callable[[], None]:
+    """A replay of `count` F.linear calls captured in one CUDA graph, synchronised."""
+    return graph_of(lambda: [F.linear(x, weights[i % len(weights)]) for i in range(count)])
+
+
+def first_error(ref: torch.Tensor, calls: list[OpCall]) -> float:
+    return rel_error(calls[0].out, ref)
+
+
+def linear_baseline(ctx: Context, quick: bool) -> list[Case]:
+    """Every (K, N, M) case with torch's per-call time (F.linear from a CUDA graph)."""
+    cases = []
+    shapes = LINEAR_SHAPES[::3] if quick else LINEAR_SHAPES
+    for seed, (k, n) in enumerate(shapes):
+        weights = linear_weights(k, n, ctx, seed)
+        for m in LINEAR_ROWS[::3] if quick else LINEAR_ROWS:
+            x = torch.randn(m, k, device=DEV).half()
+            torch_ms, torch_raw = per_call_ms(functools.partial(torch_linear_graph, x, weights),
+                                              ctx.reps)
+            row = {"k": k, "n": n, "m": m, "weight_mb": weights[0].nbytes / 2**20,
+                   "copies": len(weights), "torch_ms": torch_ms, "torch_ms_at_100": torch_raw,
+                   "bytes": weights[0].nbytes + x.nbytes + 2 * m * n}
+            outs = torch.empty(2 * CALLS, m, n, dtype=torch.float16, device=DEV)
+            ref = F.linear(x.float(), weights[0].float())
+            cases.append(Case(row, functools.partial(linear_calls, x, weights, outs),
+                              functools.partial(first_error, ref)))
+            print(f"torch linear K={k} N={n} M={m}: {1e3 * torch_ms:.1f} us/call", flush=True)
+    return cases
+
+
+def linear_measure(rt: Runtime, case: Case, ctx: Context) -> None:
+    """Our per-call time: CALLS (and 2 CALLS) linear tasks, encoded once, one submission each."""
+    work = {}
+
+    def submission(count: int) -> Callable[[], None]:
+        calls = case.make_calls(count)
+        work[count] = (calls, rt.encode([rt.prepare(c) for c in calls]))
+        return lambda: rt.submit(work[count][1]).wait(120)
+
+    ours_ms, ours_raw = per_call_ms(submission, ctx.reps)
+    row = case.row
+    row.update(ours_ms=ours_ms, ours_ms_at_100=ours_raw, ours_over_torch=ours_ms / row["torch_ms"],
+               ours_gbps=row["bytes"] / ours_ms / 1e6,
+               torch_gbps=row["bytes"] / row["torch_ms"] / 1e6,
+               rel_error=case.check(work[CALLS][0]))
+    row.update(ours_bw_frac=row["ours_gbps"] / ctx.copy_gbps,
+               torch_bw_frac=row["torch_gbps"] / ctx.copy_gbps)
+
+
+def linear_summary(rows: list[dict]) -> dict[str, float]:
+    big = [r["ours_bw_frac"] for r in rows
+           if r["m"] <= DECODE_ROWS and r["weight_mb"] * 2**20 >= BIG_WEIGHTS]
+    return {"linear_min_bw_frac": min(big, default=float("nan")),
+            "linear_vs_torch_worst": max(r["ours_over_torch"] for r in rows),
+            # the same ratio with each side's fixed cost in (one submission, one graph launch)
+            "linear_vs_torch_worst_at_100": max(r["ours_ms_at_100"] / r["torch_ms_at_100"]
+                                                for r in rows),
+            "linear_max_rel_error": max(r["rel_error"] for r in rows)}
+
+
+def linear_show(r: dict) -> str:
+    return (f"K={r['k']:5d} N={r['n']:5d} M={r['m']:3d} {r['weight_mb']:6.1f} MB | ours "
+            f"{1e3 * r['ours_ms']:7.2f} us {r['ours_gbps']:6.0f} GB/s {r['ours_bw_frac']:5.2f} | "
+            f"torch {1e3 * r['torch_ms']:7.2f} us {r['torch_gbps']:6.0f} GB/s "
+            f"{r['torch_bw_frac']:5.2f} | ours/torch {r['ours_over_torch']:5.2f} | "
+            f"err {r['rel_error']:.1e}")
+
+
+SECTIONS = (Section("linear", linear_baseline, linear_measure, linear_summary, linear_show),)
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+def commit() -> str:
+    """GPUOS_COMMIT as describe() reads it, else the checkout's HEAD, else 'unknown'."""
+    described = describe()["commit"]
+    if described != "unknown":
+        return described
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return head.stdout.strip() or "unknown"
+
+
+def slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-") or "gpu"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    args = parser.parse_args()
+    reps = 3 if args.quick else 7
+    ctx = Context(copy_bandwidth(reps), reps, torch.cuda.get_device_properties(DEV).L2_cache_size)
+    print(f"copy bandwidth {ctx.copy_gbps:.0f} GB/s (read + written), L2 {ctx.l2_bytes >> 20} MB",
+          flush=True)
+    cases = {s.name: s.baseline(ctx, args.quick) for s in SECTIONS}  # before the worker exists
+    with Runtime("cuda") as rt:
+        for s in SECTIONS:
+            for case in cases[s.name]:
+                s.measure(rt, case, ctx)
+                print(f"{s.name}: {s.show(case.row)}", flush=True)
+    result = {**describe(), "commit": commit(), "copy_gbps": ctx.copy_gbps, "calls": CALLS,
+              "summary": {}}
+    for s in SECTIONS:
+        rows = [c.row for c in cases[s.name]]
+        result[s.name] = rows
+        result["summary"].update(s.summarise(rows))
+        print(f"\n== {s.name} (copy bandwidth {ctx.copy_gbps:.0f} GB/s)")
+        print("\n".join(s.show(r) for r in rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"kernels-{slug(result['device'])}-{result['commit']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"], indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
