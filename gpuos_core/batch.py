@@ -95,6 +95,12 @@ class Batch:
             raise TaskFailedError(self.errors.get(i, f"task {i} failed with status {self.status[i]}"))
         return self.tasks[i].out
 
+    def check(self) -> "Batch":
+        """Raise TaskFailedError for the first failed task, if any (call after completion)."""
+        if (self.status != STATUS_DONE).any():
+            self.results()
+        return self
+
     def results(self) -> list[torch.Tensor]:
         """Every output, raising for the first failed task."""
         return [self.result(i) for i in range(len(self))]

@@ -160,6 +160,7 @@ def _builtin() -> dict[str, OpSpec]:
         _fixed("rotary", "rotary", 4, 3),  # [, positions]
         _fixed("attention_decode", "attention_decode", 4, 3, P("scale")),  # [, lengths]
         _fixed("scatter_rows", "scatter_rows", 2, 2),
+        _fixed("gather_rows", "gather_rows", 2, 2),  # embedding lookups
         _fixed("sample_tokens", "sample_tokens", 3, 3),
         _fixed("linear", "linear", 3, 2),  # x @ weight.T [+ bias]
     ]

@@ -391,6 +391,32 @@ def _scatter_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> 
     rows[torch.unravel_index(n[keep], rows.shape[:-1])] = src[keep].to(out.dtype)
 
 
+class GatherRowsFamily(Family):
+    """out row r = table row index[r] (int32; out of range: zeros), rows numbered row-major over
+    all dims but the last (an embedding lookup); out is index's dims then the table's last.
+    Items are out rows."""
+
+    name, header, macro = "gather_rows", "ops/scatter.cuh", "GPUOS_DEFINE_GATHER_ROWS"
+    rows_are_items = True
+    index_inputs = {1: "index"}
+
+    def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
+        table, index = inputs
+        _check_ndim(table.shape, "gather_rows table", least=1)
+        out = (*index.shape, table.shape[-1])
+        _check_ndim(out, "gather_rows out (index dims, then the table's row)")
+        if table.shape[-1] < 1:
+            raise TensorSpecError(f"gather_rows: table rows must not be empty, got "
+                                  f"{tuple(table.shape)}")
+        return Layout((table, index), out, out, math.prod(index.shape))
+
+    def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
+        table, index = xs
+        rows, n = table.reshape(-1, table.shape[-1]), index.long()
+        keep = (n >= 0) & (n < rows.shape[0])
+        return torch.where(keep[..., None], rows[n.clamp(0, rows.shape[0] - 1)], 0.0)
+
+
 class SampleFamily(Family):
     """Next-token choice on the device: one int32 token id per row of logits [..., V] from the
     row's params (float32 [..., 3]: temperature, top_p, top_k) and rng (int32 [..., 3]: seed low
@@ -614,6 +640,7 @@ _FAMILIES: tuple[Family, ...] = (
     RotaryFamily(),
     AttentionFamily(),
     ScatterRowsFamily(),
+    GatherRowsFamily(),
     SampleFamily(),
     LinearFamily(),
 )

@@ -181,4 +181,5 @@ def test_every_catalogue_operator_is_covered() -> None:
     covered |= {"add_rmsnorm", "add_layernorm"}  # test_fused_norm.py
     covered |= {"sample_tokens"}  # test_device_sampling.py
     covered |= {"linear"}  # test_linear.py
+    covered |= {"gather_rows"}  # test_gather_rows.py
     assert covered == set(CATALOGUE)
