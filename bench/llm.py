@@ -24,7 +24,7 @@ import torch
 
 from gpuos_core import Runtime
 from micro import describe, p99  # bench/ is the script's directory
-from serving.llm import ByteTokenizer, Model, load_model
+from serving.llm import ByteTokenizer, Model, forward_tokens, load_model
 from serving.llm.engine import Engine, EngineConfig
 from serving.llm.model import TINY, parse_config, random_weights, save_pretrained, weights_to_hf
 from serving.llm.sampling import SamplingParams
@@ -66,12 +66,12 @@ def eager_run(model: Model, batch: list[list[int]], new: int, device: str) -> di
     """Each request its own forward every round (prefill first, then one token per round)."""
     caches = [model.new_cache(len(batch[0]) + new) for _ in batch]
     started = time.perf_counter()
-    last = [int(model.forward(torch.tensor(p, device=device), c).argmax(-1)[-1])
+    last = [int(forward_tokens(model, torch.tensor(p, device=device), c).argmax(-1)[-1])
             for p, c in zip(batch, caches)]
     rounds = [time.perf_counter()]
     for step in range(new - 1):
         start = len(batch[0]) + step
-        last = [int(model.forward(torch.tensor([t], device=device), c, start)[-1].argmax())
+        last = [int(forward_tokens(model, torch.tensor([t], device=device), c, start)[-1].argmax())
                 for t, c in zip(last, caches)]
         rounds.append(time.perf_counter())
     gaps = [b - a for a, b in zip(rounds, rounds[1:])] * len(batch)

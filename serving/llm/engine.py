@@ -1,40 +1,40 @@
-"""Continuous-batching decode engine (DESIGN.md, Serving → LLM engine).
+"""Continuous-batching decode engine (docs: DESIGN.md, Serving → LLM engine).
 
 One thread runs steps. A step reads as three calls:
 
-    rows = self._schedule()        # admit waiting requests into free KV slots; each running request
-                                   # brings its new rows (its prompt on its first step, then 1 token)
-    logits = self._forward(rows)   # matmuls on the stacked rows with torch; each stage of a layer's
-                                   # ragged micro-ops (norm, rotary, per-request attention, residual,
-                                   # activation) is one submission to the runtime
-    self._scatter(rows, logits)    # sample (softmax on the runtime), detokenize, stop, stream out
+    step = self._schedule()        # admit waiting requests into free KV slots; each running request
+                                   # brings a span of new rows (its prompt, in chunks, then 1 token)
+    out = self._run(step)          # the model's forward (forward.py) and sampling over the spans:
+                                   # one device program on the runtime (device_step.py), or torch
+    self._scatter(step, out)       # detokenize, stop, stream out, free finished slots
 
 Requests join and leave at step boundaries. Memory is bounded: a fixed pool of KV slots; requests
 wait in a bounded queue for a free slot (EngineFullError beyond it). `micro_ops="torch"` runs the same
-engine launching each micro-op with torch instead (the benchmark's baseline).
+forward eagerly with torch instead (the benchmark's baseline and the reference).
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
+import heapq
 import logging
 import queue
+import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
-from gpuos_core import OpCall, Runtime
-from gpuos_core.catalogue import CATALOGUE, run_reference
+from gpuos_core import Runtime
 from gpuos_core.errors import GpuosError
-from serving.llm.model import LayerWeights, Model, Norm, rotary_cos_sin
-from serving.llm.sampling import (Detokenizer, SamplingParams, StopMatcher, choose_tokens,
-                                  make_generator)
+from gpuos_core.sampler import rng_rows, sample_rows
+from serving.llm.device_step import Layout, StepProgram, StepResult
+from serving.llm.forward import Span, TorchOps, forward
+from serving.llm.model import KVPool, Model, rotary_cos_sin
+from serving.llm.sampling import Detokenizer, SamplingParams, StopMatcher
 from serving.llm.tokenizer import Tokenizer
 
 log = logging.getLogger("gpuos.llm")
@@ -119,7 +119,7 @@ class _Request:
     stream: _Stream
     detok: Detokenizer
     stops: StopMatcher
-    generator: torch.Generator
+    seed: int                     # Philox key of its draws (with the token's index as counter)
     generated: list[int] = field(default_factory=list)
     slot: int = -1                # KV slot while running
     cached: int = 0               # tokens whose keys/values are in the slot
@@ -137,43 +137,36 @@ class _Request:
         """Tokens to feed next: the prompt (rest) first, then the last generated token."""
         return (self.prompt + self.generated)[self.cached:]
 
+    def sampling_row(self) -> tuple[float, float, float]:
+        """(temperature, top_p, top_k): its row of sample_tokens' params."""
+        return self.params.temperature, self.params.top_p, float(self.params.top_k)
+
 
 @dataclass(frozen=True)
-class _Rows:
-    """The stacked rows of one step."""
+class _Step:
+    """The step boundary: which requests run and the span of rows each brings."""
 
     requests: tuple[_Request, ...]
-    tokens: torch.Tensor          # [N] token of each row
-    positions: torch.Tensor       # [N] its position in its request
-    slots: torch.Tensor           # [N] its request's KV slot
-    spans: tuple[tuple[int, int], ...]  # per request: first row, number of rows
-    last: torch.Tensor            # [R] row index of each request's last row (its logits)
+    spans: tuple[Span, ...]       # per request, in order
+
+    def sampling(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """sample_tokens' params (float32) and rng (int32) rows, [requests, 3] each: a request's
+        draw depends on its seed and its token's index only, never on its batch."""
+        params = torch.tensor([r.sampling_row() for r in self.requests], dtype=torch.float32)
+        rng = rng_rows([r.seed for r in self.requests], [len(r.generated) for r in self.requests])
+        return params.reshape(-1, 3), rng
 
 
-class KVPool:
-    """Keys and values of every slot: [layers, slots, kv_heads, max_len, head_dim] each."""
-
-    def __init__(self, model: Model, slots: int, max_len: int) -> None:
-        c, w = model.config, model.weights.embed
-        shape = (c.layers, slots, c.kv_heads, max_len, c.head_dim)
-        self.keys = torch.empty(shape, dtype=w.dtype, device=w.device)
-        self.values = torch.empty(shape, dtype=w.dtype, device=w.device)
-        self._free = list(range(slots))[::-1]
-
-    def acquire(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
-
-    def write(self, layer: int, rows: _Rows, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store each row's k, v [N, kv_heads, head_dim] at its slot and position."""
-        self.keys[layer, rows.slots, :, rows.positions] = k
-        self.values[layer, rows.slots, :, rows.positions] = v
+class NonFiniteLogitsError(GpuosError):
+    """A step's logits for this request held NaN or infinity (an operator produced them): the
+    request ends with this error rather than a meaningless token."""
 
 
 class Engine:
-    """Continuous-batching generation over one model, its micro-ops on a runtime (or torch)."""
+    """Continuous-batching generation over one model: each step one device program on a runtime
+    (or the same forward in torch)."""
+
+    PROGRAMS = 16  # step programs kept (by layout); the least recently used is dropped beyond
 
     def __init__(self, model: Model, tokenizer: Tokenizer, runtime: Runtime | None,
                  config: EngineConfig | None = None) -> None:
@@ -183,8 +176,13 @@ class Engine:
         self.runtime = runtime
         self.max_len = min(self.config.max_len or model.config.max_positions,
                            model.config.max_positions)
-        self.kv = KVPool(model, self.config.max_running, self.max_len)
-        self._cos, self._sin = self._rotary_tables()
+        w = model.weights.embed
+        self.kv = KVPool.allocate(model.config, self.config.max_running, self.max_len, w.dtype,
+                                  w.device)
+        self._free = list(range(self.config.max_running))  # a heap: the lowest slot goes first,
+        # which keeps decode rows (one per slot up to the highest in use) few
+        self._rotary = self._rotary_tables()
+        self._programs: OrderedDict[Layout, StepProgram] = OrderedDict()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._lock = threading.Condition()
@@ -200,8 +198,9 @@ class Engine:
         when `loop` is the caller's event loop). Raises PromptTooLongError, EngineFullError."""
         self._check_fits(prompt)
         stream = _Stream(loop, keep_logits)
+        seed = secrets.randbits(64) if params.seed is None else params.seed
         request = _Request(list(prompt), params, stream, Detokenizer(self.tokenizer),
-                           StopMatcher(params.stop), make_generator(params.seed))
+                           StopMatcher(params.stop), seed)
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
@@ -211,7 +210,6 @@ class Engine:
             self._waiting.append(request)
             self._lock.notify()
         return stream
-
     def generate(self, prompt: list[int], params: SamplingParams) -> tuple[str, Delta]:
         """Blocking convenience: the whole completion text and its last delta."""
         deltas = list(self.submit(prompt, params))
@@ -259,152 +257,84 @@ class Engine:
             return not self._closed
 
     def step(self) -> None:
-        """One step: admit, forward the new rows, sample and stream."""
-        rows = self._schedule()
-        if rows is None:
+        """One step: admit, run the spans' rows, sample and stream."""
+        step = self._schedule()
+        if step is None:
             return
-        logits = self._forward(rows)
-        self._scatter(rows, logits)
+        self._scatter(step, self._run(step))
         self.steps += 1
 
-    def _schedule(self) -> _Rows | None:
-        """Admit waiting requests into free slots, drop cancelled ones, stack every running
-        request's pending rows (at most max_step_tokens, prompts chunked)."""
+    def _schedule(self) -> _Step | None:
+        """Admit waiting requests into free slots, drop cancelled ones, take every running
+        request's pending rows (at most max_step_tokens in all, prompts chunked)."""
         with self._lock:  # submit appends to _waiting from other threads
             gone = [r for r in self._running + list(self._waiting) if r.cancelled]
         for r in gone:
             self._finish(r, "", "cancelled")
         with self._lock:
-            while self._waiting and (slot := self.kv.acquire()) is not None:
+            while self._waiting and self._free:
                 request = self._waiting.popleft()
-                request.slot = slot
+                request.slot = heapq.heappop(self._free)
                 self._running.append(request)
-        budget, picked, tokens, spans = self.config.max_step_tokens, [], [], []
+        budget, requests, spans = self.config.max_step_tokens, [], []
         for r in self._running:
             if budget <= 0:
                 break
             take = r.pending_tokens()[:budget]
-            spans.append((len(tokens), len(take)))
-            picked.append(r)
-            tokens += take
+            requests.append(r)
+            spans.append(Span(r.slot, r.cached, tuple(take)))
             budget -= len(take)
-        if not picked:
-            return None
-        return self._rows(picked, tokens, spans)
+        return _Step(tuple(requests), tuple(spans)) if requests else None
 
-    def _rows(self, picked: list[_Request], tokens: list[int],
-              spans: list[tuple[int, int]]) -> _Rows:
-        device = self.kv.keys.device
-        positions = [r.cached + t for r, (_, n) in zip(picked, spans) for t in range(n)]
-        slots = [r.slot for r, (_, n) in zip(picked, spans) for _ in range(n)]
-        last = [first + n - 1 for first, n in spans]
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        return _Rows(tuple(picked), as_tensor(tokens), as_tensor(positions), as_tensor(slots),
-                     tuple(spans), as_tensor(last))
-
-    # -- forward -------------------------------------------------------------------------------
-    def _forward(self, rows: _Rows) -> torch.Tensor:
-        """Logits [R, vocab] (fp32) at each request's last row; keys/values stored in the pool."""
-        x = self.model.embed(rows.tokens, rows.positions)
-        for i, layer in enumerate(self.model.weights.layers):
-            x = self._block(i, layer, x, rows)
-        h = self._norm(x[rows.last], self.model.weights.final_norm)
-        return F.linear(h, self.model.weights.lm_head).float()
-
-    def _block(self, i: int, layer: LayerWeights, x: torch.Tensor, rows: _Rows) -> torch.Tensor:
-        c = self.model.config
-        q, k, v = self._qkv(layer, self._norm(x, layer.attn_norm), rows)
-        self.kv.write(i, rows, k, v)
-        attn = self._attend(i, q, rows)
-        x = self._run([OpCall("add", (x, layer.o(attn.view(x.shape[0], -1))))])[0]
-        h = layer.up(self._norm(x, layer.mlp_norm))
-        if c.activation == "silu_glu":
-            act = OpCall("swiglu", tuple(h.chunk(2, dim=-1)))
-        else:
-            act = OpCall("gelu_tanh" if c.activation == "gelu_tanh" else "gelu", (h,))
-        a = self._run([act])[0]
-        return self._run([OpCall("add", (x, layer.down(a)))])[0]
-
-    def _qkv(self, layer: LayerWeights, h: torch.Tensor,
-             rows: _Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [N, heads, d], k, v [N, kv_heads, d]; rotary (one submission for q and k)."""
-        c = self.model.config
-        sizes = [c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim]
-        q, k, v = (t.view(h.shape[0], -1, c.head_dim) for t in layer.qkv(h).split(sizes, -1))
-        if self._cos is None:
-            return q, k, v
-        cos, sin = self._cos[rows.positions][:, None], self._sin[rows.positions][:, None]
-        q, k = self._run([OpCall("rotary", (q, cos, sin)), OpCall("rotary", (k, cos, sin))])
-        return q, k, v
-
-    def _attend(self, layer: int, q: torch.Tensor, rows: _Rows) -> torch.Tensor:
-        """Causal attention of every row over its own request's cached keys: one attention-decode
-        task per row (its query heads grouped by kv head), all rows in one submission."""
-        c = self.model.config
-        group = c.heads // c.kv_heads
-        out = torch.empty_like(q)
-        keys, values = self.kv.keys[layer], self.kv.values[layer]
-        calls = []
-        for r, (first, n) in zip(rows.requests, rows.spans):
-            for t in range(n):
-                length = r.cached + t + 1
-                kv = (keys[r.slot, :, :length, None].transpose(1, 2),
-                      values[r.slot, :, :length, None].transpose(1, 2))
-                calls.append(OpCall("attention_decode",
-                                    (q[first + t].view(c.kv_heads, group, c.head_dim), *kv),
-                                    out=out[first + t].view(c.kv_heads, group, c.head_dim)))
-        self._run(calls)
-        return out
-
-    def _norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
-        eps = {"eps": self.model.config.norm_eps}
-        if norm.bias is not None:
-            return self._run([OpCall("layernorm", (x, norm.weight, norm.bias), scalars=eps)])[0]
-        return self._run([OpCall("rmsnorm", (x, norm.weight), scalars=eps)])[0]
-
-    def _run(self, calls: Sequence[OpCall]) -> list[torch.Tensor]:
-        """One stage: independent micro-ops, as one runtime submission (or torch launches)."""
+    # -- the forward ---------------------------------------------------------------------------
+    def _run(self, step: _Step) -> StepResult:
+        """Tokens (and, when a stream keeps them, logits) of each span's last row."""
+        params, rng = step.sampling()
+        keep = any(r.stream.logits is not None for r in step.requests)
         if self.config.micro_ops == "torch":
-            return [_into(call, run_reference(CATALOGUE[call.op], call)) for call in calls]
-        batch = self.runtime.submit([self.runtime.prepare(call) for call in calls])
-        return batch.wait(60).results()
+            logits = forward(self.model, TorchOps(self.model.config, self.kv, step.spans))
+            tokens = sample_rows(logits, params.to(logits.device), rng.to(logits.device))
+            return StepResult(tokens.tolist(), logits.isfinite().all(-1).tolist(),
+                              logits.cpu() if keep else None)
+        program = self._program(Layout.of(step.spans, self.kv.slots))
+        return program.run(self.runtime, step.spans, params, rng, keep, timeout=60)
 
-    def _rotary_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _program(self, layout: Layout) -> StepProgram:
+        """The step program of `layout`, built on first use (kept for PROGRAMS layouts)."""
+        if layout in self._programs:
+            self._programs.move_to_end(layout)
+            return self._programs[layout]
+        program = StepProgram(self.runtime, self.model, self.kv, layout, self._rotary)
+        self._programs[layout] = program
+        if len(self._programs) > self.PROGRAMS:
+            self._programs.popitem(last=False)
+        return program
+
+    def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos and sin [max_len, head_dim / 2] in the model's dtype (None without rotary)."""
         c, w = self.model.config, self.model.weights.embed
         if c.rope_theta is None:
-            return None, None
+            return None
         cos, sin = rotary_cos_sin(torch.arange(self.max_len, device=w.device), c.head_dim,
                                   c.rope_theta)
         half = c.head_dim // 2
         return cos[:, :half].to(w.dtype).contiguous(), sin[:, :half].to(w.dtype).contiguous()
 
     # -- sampling and output -------------------------------------------------------------------
-    def _scatter(self, rows: _Rows, logits: torch.Tensor) -> None:
+    def _scatter(self, step: _Step, out: StepResult) -> None:
         """Advance every request of the step: those that fed their last pending row get a token."""
-        ready = [i for i, (r, (_, n)) in enumerate(zip(rows.requests, rows.spans))
-                 if r.cached + n == r.length]
-        for r, (_, n) in zip(rows.requests, rows.spans):
-            r.cached += n
-        if not ready:
-            return
-        requests = [rows.requests[i] for i in ready]
-        chosen = self._sample(logits[ready], requests)
-        for i, (r, token) in enumerate(zip(requests, chosen)):
-            if r.stream.logits is not None:
-                r.stream.logits.append(logits[ready[i]].cpu())
-            self._advance(r, token)
-
-    def _sample(self, logits: torch.Tensor, requests: list[_Request]) -> list[int]:
-        """Next token of each request; the sampling softmax runs as micro-ops."""
-        params = [r.params for r in requests]
-        probs = None
-        if any(p.temperature > 0 for p in params):
-            inv = torch.tensor([1 / p.temperature if p.temperature > 0 else 1.0 for p in params],
-                               device=logits.device)
-            scaled = self._run([OpCall("mul", (logits, inv[:, None]))])[0]
-            probs = self._run([OpCall("softmax", (scaled,))])[0]
-        return choose_tokens(logits, probs, params, [r.generator for r in requests])
+        for i, (r, span) in enumerate(zip(step.requests, step.spans)):
+            r.cached += len(span.tokens)
+            if r.cached != r.length:
+                continue  # a prompt chunk that is not the last
+            if not out.finite[i]:
+                self._finish(r, "", "error", f"{NonFiniteLogitsError.__name__}: the logits of "
+                             f"token {len(r.generated)} hold NaN or infinity (an operator the "
+                             "model uses produced them)")
+                continue
+            if out.logits is not None and r.stream.logits is not None:
+                r.stream.logits.append(out.logits[i])
+            self._advance(r, out.tokens[i])
 
     def _advance(self, r: _Request, token: int) -> None:
         r.generated.append(token)
@@ -428,7 +358,7 @@ class Engine:
         with self._lock:
             if r in self._running:
                 self._running.remove(r)
-                self.kv.release(r.slot)
+                heapq.heappush(self._free, r.slot)
             elif r in self._waiting:
                 self._waiting.remove(r)
 
@@ -436,9 +366,3 @@ class Engine:
         for r in list(requests):
             self._finish(r, "", "error", message)
 
-
-def _into(call: OpCall, value: torch.Tensor) -> torch.Tensor:
-    """A torch-computed micro-op's result, written to the call's `out` when it names one."""
-    if call.out is None:
-        return value
-    return call.out.copy_(value)

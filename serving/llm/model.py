@@ -1,14 +1,14 @@
-"""Decoder-only transformers of the GPT-2 and Llama families in Hugging Face format, and their plain torch
-reference forward.
+"""Decoder-only transformers of the GPT-2 and Llama families in Hugging Face format: configs, weights,
+KV caches and the torch reference functions of their layers.
 
 A model directory holds `config.json` and `*.safetensors` (one file, or shards listed by
 `model.safetensors.index.json`) with Hugging Face tensor names. Both families are normalised into one
 `ModelConfig` and one `Weights` layout (every projection a `Linear` with torch's [out, in] weight; q/k/v
 fused into one `qkv`, Llama's gate/up fused into one `up`), so the engine runs one code path.
 
-The forward here is the reference the engine is checked against: per-row functions (`rms_norm`,
-`layer_norm`, `apply_rotary`, `attend`, ...) take stacked rows and explicit positions so the engine can
-reuse them on ragged batches. Torch only: Hugging Face `transformers` is never imported here.
+The reference functions (`rms_norm`, `layer_norm`, `apply_rotary`, `attend`) take stacked rows and
+explicit positions; the forward over them is written once in forward.py. Torch only: Hugging Face
+`transformers` is never imported here.
 """
 from __future__ import annotations
 
@@ -426,27 +426,40 @@ def create_tiny_model(path: str | Path, family: str, seed: int = 0, shards: int 
 
 # ------------------------------------------------------------------------------------------- KV cache
 @dataclass
-class KVCache:
-    """One request's keys and values, preallocated [layers, kv_heads, max_len, head_dim].
-
-    `length` tokens (positions 0..length-1) are valid. A forward at `start` <= length overwrites from
-    `start` on, so a caller may roll back (e.g. drop rejected tokens) by passing an earlier start.
-    """
+class KVPool:
+    """Keys and values of `slots` sequences: [layers, slots, max_len, kv_heads, head_dim] each, so
+    that one token's keys (all heads) are one contiguous row (a KV-cache append is a row write)."""
 
     keys: torch.Tensor
     values: torch.Tensor
-    length: int = 0
 
     @classmethod
-    def allocate(cls, config: ModelConfig, max_len: int, dtype: torch.dtype,
-                 device: str = "cpu") -> KVCache:
-        """An empty cache for up to `max_len` tokens."""
-        shape = (config.layers, config.kv_heads, max_len, config.head_dim)
+    def allocate(cls, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> KVPool:
+        shape = (config.layers, slots, max_len, config.kv_heads, config.head_dim)
         return cls(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(2)))
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[1]
 
     @property
     def max_len(self) -> int:
         return self.keys.shape[2]
+
+
+@dataclass
+class KVCache:
+    """One request's keys and values: a pool of one slot, of which `length` tokens (positions
+    0..length-1) are valid. A forward at `start` <= length overwrites from `start` on, so a caller
+    may roll back (e.g. drop rejected tokens) by passing an earlier start."""
+
+    pool: KVPool
+    length: int = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.pool.max_len
 
     def check_room(self, start: int, count: int) -> None:
         """Raise unless positions start..start+count-1 fit and `start` leaves no gap."""
@@ -457,15 +470,6 @@ class KVCache:
             raise KVCacheFullError(f"KV cache holds {self.max_len} tokens; writing {count} at position "
                                    f"{start} needs {start + count}: allocate a longer cache or finish "
                                    "the request")
-
-    def write(self, layer: int, start: int, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [kv_heads, T, head_dim] at positions start.. and return all keys and values up to
-        start+T, each [kv_heads, start+T, head_dim]."""
-        end = start + k.shape[1]
-        self.keys[layer, :, start:end] = k
-        self.values[layer, :, start:end] = v
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
 
 
 # ------------------------------------------------------------------------------- reference functions
@@ -514,19 +518,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
     return torch.einsum("hts,hsd->thd", scores.softmax(-1), v).to(q.dtype)
 
 
-def mlp(x: torch.Tensor, layer: LayerWeights, activation: str) -> torch.Tensor:
-    """The block's MLP: GELU (tanh or exact) for GPT-2, SwiGLU (silu(gate) * up) for Llama."""
-    h = layer.up(x)
-    if activation == "silu_glu":
-        gate, up = h.chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)
-    return layer.down(F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none"))
-
-
 # ---------------------------------------------------------------------------------------------- model
 @dataclass
 class Model:
-    """A loaded decoder: its config, weights, and the plain torch reference forward of one request."""
+    """A loaded decoder: its config and weights (its forward: serving/llm/forward.py)."""
 
     config: ModelConfig
     weights: Weights
@@ -537,59 +532,6 @@ class Model:
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """An empty KV cache in the model's dtype and device (default length: max_positions)."""
-        return KVCache.allocate(self.config, max_len or self.config.max_positions, self.dtype,
-                                str(self.weights.embed.device))
-
-    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [N, hidden], plus learned position embeddings for GPT-2."""
-        last, limit = int(positions.max()), self.config.max_positions
-        if last >= limit:
-            raise KVCacheFullError(f"position {last} is past the model's {limit} positions; shorten the "
-                                   "prompt or max_tokens")
-        x = self.weights.embed[tokens]
-        return x + self.weights.positions[positions] if self.weights.positions is not None else x
-
-    def qkv(self, layer: LayerWeights, x: torch.Tensor,
-            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project normed rows x [N, hidden] (row i at positions[i]) to q [N, heads, d] and k, v
-        [N, kv_heads, d], rotary applied."""
-        c = self.config
-        sizes = [c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim]
-        q, k, v = (t.view(x.shape[0], -1, c.head_dim) for t in layer.qkv(x).split(sizes, -1))
-        if c.rope_theta is not None:
-            q, k = apply_rotary(q, positions, c.rope_theta), apply_rotary(k, positions, c.rope_theta)
-        return q, k, v
-
-    def block(self, i: int, x: torch.Tensor, cache: KVCache | None, start: int) -> torch.Tensor:
-        """Decoder block i over one request's rows x [T, hidden] at positions start..start+T-1."""
-        c, layer = self.config, self.weights.layers[i]
-        positions = torch.arange(start, start + x.shape[0], device=x.device)
-        q, k, v = self.qkv(layer, normalize(x, layer.attn_norm, c.norm_eps), positions)
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
-        if cache is not None:
-            k, v = cache.write(i, start, k, v)
-        x = x + layer.o(attend(q, k, v, start).reshape(x.shape[0], -1))
-        return x + mlp(normalize(x, layer.mlp_norm, c.norm_eps), layer, c.activation)
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: hidden rows [N, hidden] to logits [N, vocab] in fp32."""
-        x = normalize(x, self.weights.final_norm, self.config.norm_eps)
-        return F.linear(x, self.weights.lm_head).float()
-
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
-        """Logits [T, vocab] (fp32) of one request's `tokens` [T] at positions start..start+T-1.
-
-        With a cache, earlier positions come from it and these tokens' keys/values are stored in it
-        (its `length` becomes start+T). Without one, the tokens are the whole sequence: start must be 0.
-        Raises KVCacheFullError when the cache or the model's positions have no room.
-        """
-        if cache is None and start != 0:
-            raise ValueError("without a KV cache the tokens are the whole sequence: start must be 0")
-        if cache is not None:
-            cache.check_room(start, tokens.shape[0])
-        x = self.embed(tokens, torch.arange(start, start + tokens.shape[0], device=tokens.device))
-        for i in range(self.config.layers):
-            x = self.block(i, x, cache, start)
-        if cache is not None:
-            cache.length = start + tokens.shape[0]
-        return self.logits(x)
+        w = self.weights.embed
+        pool = KVPool.allocate(self.config, 1, max_len or self.config.max_positions, w.dtype, w.device)
+        return KVCache(pool)

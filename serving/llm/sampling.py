@@ -1,17 +1,14 @@
-"""Per-request sampling for the LLM engine: validated `SamplingParams`, the next-token choice for a batch
-of logit rows (`choose_tokens`), stop-string detection over streamed text (`StopMatcher`) and
-incremental detokenisation (`Detokenizer`).
+"""Per-request sampling for the LLM engine: validated `SamplingParams`, stop-string detection over
+streamed text (`StopMatcher`) and incremental detokenisation (`Detokenizer`).
 
-Sampling draws on the CPU with one `torch.Generator` per request, so a request's tokens depend only on
-its own seed and distributions, never on which other requests share its batch.
+The draw itself is the `sample_tokens` operator (cuda/ops/sample.cuh; gpuos_core/sampler.py in torch):
+Philox keyed by the request's seed with its token's index as counter, so a request's tokens depend only
+on its own seed and distributions, never on which other requests share its batch.
 """
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from typing import Any, Sequence
-
-import torch
 
 from gpuos_core.errors import GpuosError
 
@@ -72,57 +69,6 @@ class SamplingParams:
                  "None or an integer in [0, 2**64)", self.seed)
         _require(len(self.stop) <= MAX_STOPS and all(isinstance(s, str) and s for s in self.stop), "stop",
                  f"at most {MAX_STOPS} non-empty strings", list(self.stop))
-
-
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded from `seed`, or from the OS's randomness when seed is None."""
-    return torch.Generator(device="cpu").manual_seed(secrets.randbits(63) if seed is None else seed)
-
-
-def _is_greedy(params: SamplingParams) -> bool:
-    # top_k=1 keeps only the most likely token: argmax of the logits gives it without a sort or a draw
-    return params.temperature == 0 or params.top_k == 1
-
-
-def _nucleus_size(weights: torch.Tensor, top_p: float) -> int:
-    """Length of the shortest head of descending `weights` holding at least `top_p` of their mass (>= 1)."""
-    if top_p >= 1:
-        return len(weights)
-    mass = weights.cumsum(0) / weights.sum()   # relative to what top_k kept, as Hugging Face's warpers do
-    return min(int((mass < top_p).sum()) + 1, len(weights))
-
-
-def _draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from a CPU probability row after top_k, then top_p, filtering."""
-    if params.top_k == 0 and params.top_p >= 1:
-        return int(torch.multinomial(probs, 1, generator=generator))
-    k = min(params.top_k, len(probs))
-    weights, ids = probs.topk(k) if k else probs.sort(descending=True)
-    keep = _nucleus_size(weights, params.top_p)
-    # multinomial normalises its weights itself, so the kept head needs no explicit renormalising
-    return int(ids[torch.multinomial(weights[:keep], 1, generator=generator)])
-
-
-def choose_tokens(logits: torch.Tensor, probs: torch.Tensor | None, params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator]) -> list[int]:
-    """The next token of each row: argmax of logits[i] when row i is greedy, else a draw from probs[i]
-    (softmax(logits[i] / temperature), computed by the caller; greedy rows' probs are never read, and
-    probs may be None when every row is greedy) with generators[i]. logits and probs are [N, V] on any
-    device; each crosses to the CPU once, probs only for its sampled rows."""
-    if not logits.shape[0] == len(params) == len(generators):
-        raise SamplingError(f"choose_tokens needs one params and one generator per logits row; got "
-                            f"{logits.shape[0]} rows, {len(params)} params, {len(generators)} generators")
-    greedy = [_is_greedy(p) for p in params]
-    chosen = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(params)
-    sampled = [i for i, g in enumerate(greedy) if not g]
-    if not sampled:
-        return chosen
-    if probs is None:
-        raise SamplingError(f"rows {sampled[:5]} sample (temperature > 0) but probs is None; pass "
-                            "softmax(logits / temperature)")
-    for i, row in zip(sampled, probs[sampled].float().cpu()):
-        chosen[i] = _draw(row, params[i], generators[i])
-    return chosen
 
 
 class StopMatcher:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpuos_core import Runtime
-from serving.llm import ByteTokenizer, Model, create_tiny_model, load_model
+from serving.llm import ByteTokenizer, Model, create_tiny_model, forward_tokens, load_model
 from serving.llm.engine import Engine, EngineConfig, EngineFullError, PromptTooLongError
 from serving.llm.sampling import SamplingParams
 
@@ -58,7 +58,7 @@ def run_together(engine: Engine, batch: list[list[int]], params: SamplingParams
 def reference_logits(model: Model, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """Rows of one full forward that predict each generated token."""
     sequence = torch.tensor(prompt + generated[:-1], device=model.weights.embed.device)
-    return model.forward(sequence)[len(prompt) - 1:].float().cpu()
+    return forward_tokens(model, sequence)[len(prompt) - 1:].float().cpu()
 
 
 @pytest.mark.parametrize("micro_ops", ["runtime", "torch"])

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from serving.llm import (ByteTokenizer, KVCacheFullError, ModelLoadError, create_tiny_model, load_model,
-                         load_tokenizer)
+from serving.llm import (ByteTokenizer, KVCacheFullError, ModelLoadError, create_tiny_model,
+                         forward_tokens, load_model, load_tokenizer)
 from serving.llm.model import INDEX_FILE, save_pretrained, weights_to_hf
 
 FAMILIES = ["gpt2", "llama"]
@@ -60,7 +60,8 @@ def test_sharded_load_equals_single_file(model_dir: Path, tmp_path: Path) -> Non
     assert len(set(index["weight_map"].values())) == 3
     assert not (sharded / "model.safetensors").exists()
     x = tokens(12, seed=1)
-    assert torch.equal(load_model(sharded).forward(x), load_model(model_dir).forward(x))
+    assert torch.equal(forward_tokens(load_model(sharded), x),
+                       forward_tokens(load_model(model_dir), x))
 
 
 @pytest.mark.parametrize("chunks", [[1] * 9, [4, 1, 3, 1], [9]])
@@ -68,18 +69,19 @@ def test_cached_decode_matches_full_forward(model_dir: Path, chunks: list[int]) 
     model, x = load_model(model_dir), tokens(sum(chunks), seed=len(chunks))
     cache, start, parts = model.new_cache(32), 0, []
     for size in chunks:
-        parts.append(model.forward(x[start:start + size], cache, start))
+        parts.append(forward_tokens(model, x[start:start + size], cache, start))
         start += size
     assert cache.length == x.shape[0]
-    torch.testing.assert_close(torch.cat(parts), model.forward(x), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(torch.cat(parts), forward_tokens(model, x), rtol=1e-5, atol=1e-4)
 
 
 def test_cache_rewind_overwrites_later_positions(model_dir: Path) -> None:
     model, x = load_model(model_dir), tokens(8, seed=3)
     cache = model.new_cache(16)
-    model.forward(tokens(8, seed=4), cache, 0)        # a different continuation, then rolled back to 5
-    model.forward(x[:5], cache, 0)
-    torch.testing.assert_close(model.forward(x[5:], cache, 5), model.forward(x)[5:], rtol=1e-5, atol=1e-4)
+    forward_tokens(model, tokens(8, seed=4), cache, 0)        # a different continuation, then rolled back to 5
+    forward_tokens(model, x[:5], cache, 0)
+    torch.testing.assert_close(forward_tokens(model, x[5:], cache, 5), forward_tokens(model, x)[5:],
+                               rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -88,9 +90,9 @@ def test_half_precision_load_is_close_to_fp32(model_dir: Path, dtype: torch.dtyp
     half = load_model(model_dir, dtype=dtype)
     assert all(t.dtype == dtype for t in half.weights.tensors())
     cache = half.new_cache(16)
-    assert cache.keys.dtype == dtype
-    logits = torch.cat([half.forward(x[:6], cache, 0), half.forward(x[6:], cache, 6)])
-    reference = load_model(model_dir).forward(x)
+    assert cache.pool.keys.dtype == dtype
+    logits = torch.cat([forward_tokens(half, x[:6], cache, 0), forward_tokens(half, x[6:], cache, 6)])
+    reference = forward_tokens(load_model(model_dir), x)
     scale = reference.abs().max()
     assert (logits - reference).abs().max() < 0.08 * scale
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.8
@@ -111,18 +113,18 @@ def test_gpt2_hub_names_without_prefix_load(tmp_path: Path) -> None:
     renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()}
     hub = save_pretrained(tmp_path / "hub", json.loads((original / "config.json").read_text()), renamed)
     x = tokens(6, seed=10)
-    assert torch.equal(load_model(hub).forward(x), load_model(original).forward(x))
+    assert torch.equal(forward_tokens(load_model(hub), x), forward_tokens(load_model(original), x))
 
 
 def test_full_cache_raises_with_sizes(model_dir: Path) -> None:
     model = load_model(model_dir)
     cache = model.new_cache(6)
-    model.forward(tokens(4, seed=6), cache, 0)
+    forward_tokens(model, tokens(4, seed=6), cache, 0)
     with pytest.raises(KVCacheFullError, match="holds 6 tokens.*needs 7"):
-        model.forward(tokens(3, seed=7), cache, 4)
+        forward_tokens(model, tokens(3, seed=7), cache, 4)
     assert cache.length == 4
     with pytest.raises(KVCacheFullError, match="128 positions"):
-        model.forward(tokens(129, seed=8))
+        forward_tokens(model, tokens(129, seed=8))
 
 
 def test_missing_tensor_and_config_are_named(model_dir: Path, tmp_path: Path) -> None:
@@ -167,4 +169,4 @@ def test_logits_match_transformers(model_dir: Path) -> None:
     x = tokens(20, seed=9)
     with torch.no_grad():
         expected = hf(x[None]).logits[0]
-    torch.testing.assert_close(load_model(model_dir).forward(x), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(forward_tokens(load_model(model_dir), x), expected, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,244 @@
+"""An LLM step as one device program: the forward (forward.py) recorded by `ProgramOps`, then
+sampling; the step's inputs in one int32 device buffer that the host rewrites with one copy.
+
+Rows of a step (its `Layout`): rows 0..decode-1 are one per KV slot 0..decode-1 (a request with
+one row this step sits at its slot's row; the others idle: token -1, no KV write, KV length 0),
+then the rows of each longer span (prefill chunks), in order. Logits rows: every decode row, then
+each prefill span's last row. A program depends only on its layout (the decode-row count, and
+each prefill span's slot and row count), so steady decoding reuses one program per power-of-two
+count of decode rows, and a prefill chunk builds one for its shape.
+
+What changes per step (token ids, positions, KV rows and lengths, sampling parameters and
+Philox counters) lives in `StepInputs`; operator versions resolve at each submit, so a hot swap
+reaches the next step.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpuos_core import OpCall, Runtime
+from gpuos_core.program import Program, ProgramBuilder
+from serving.llm.forward import Span, forward
+from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
+
+IDLE = -1  # token, position and KV row of an idle row (gather_rows yields zeros, scatter skips)
+ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "silu_glu": "swiglu"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a step's spans sit: see the module docstring."""
+
+    decode: int                             # rows 0..decode-1: KV slots 0..decode-1
+    prefill: tuple[tuple[int, int], ...]    # per longer span: (slot, rows)
+
+    @classmethod
+    def of(cls, spans: Sequence[Span], slots: int) -> Layout:
+        """The layout of `spans` in a pool of `slots`: decode rows rounded up to a power of two
+        (at most `slots`), so that a request joining or leaving rarely needs a new program."""
+        singles = [s.slot for s in spans if len(s.tokens) == 1]
+        decode = min(1 << math.ceil(math.log2(max(singles) + 1)), slots) if singles else 0
+        return cls(decode, tuple((s.slot, len(s.tokens)) for s in spans if len(s.tokens) > 1))
+
+    @property
+    def rows(self) -> int:
+        return self.decode + sum(n for _, n in self.prefill)
+
+    @property
+    def picks(self) -> int:
+        """Logits rows."""
+        return self.decode + len(self.prefill)
+
+    def places(self, spans: Sequence[Span]) -> list[tuple[int, int]]:
+        """Per span (in the order `of` saw them): its first row and its logits row."""
+        first, pick, out = self.decode, self.decode, []
+        for s in spans:
+            if len(s.tokens) == 1:
+                out.append((s.slot, s.slot))
+            else:
+                out.append((first, pick))
+                first, pick = first + len(s.tokens), pick + 1
+        return out
+
+    def picked_rows(self) -> list[int]:
+        """The row of each logits row: decode rows themselves, then each prefill span's last."""
+        ends = np.cumsum([n for _, n in self.prefill], dtype=np.int64) + self.decode - 1
+        return list(range(self.decode)) + ends.tolist()
+
+
+class StepInputs:
+    """The per-step tensors of one layout, views of one int32 device buffer, and the pinned host
+    copy they are written from (one copy a step)."""
+
+    def __init__(self, layout: Layout, device: torch.device) -> None:
+        n, r = layout.rows, layout.picks
+        sizes = {"tokens": n, "positions": n, "kv_rows": n, "lengths": n, "rng": 3 * r,
+                 "params": 3 * r}
+        pinned = device.type == "cuda"
+        self.host = torch.empty(sum(sizes.values()), dtype=torch.int32, pin_memory=pinned)
+        self.device = self.host.to(device) if pinned else self.host  # the CPU backend reads it
+        self.layout = layout
+        views, at = {}, 0
+        for name, size in sizes.items():
+            views[name] = (self.host[at:at + size], self.device[at:at + size])
+            at += size
+        self._views = views
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The device view named (`params` is float32, `rng` and `params` are [picks, 3])."""
+        view = self._views[name][1]
+        if name == "params":
+            return view.view(torch.float32).view(-1, 3)
+        return view.view(-1, 3) if name == "rng" else view
+
+    def write(self, spans: Sequence[Span], max_len: int, params: torch.Tensor,
+              rng: torch.Tensor) -> None:
+        """Fill the inputs for `spans` (params float32 [spans, 3], rng int32 [spans, 3] per
+        span), idle rows and greedy idle picks elsewhere, and copy them to the device."""
+        host = {name: v[0].numpy() for name, v in self._views.items()}
+        for name in ("tokens", "positions", "kv_rows"):
+            host[name][:] = IDLE
+        host["lengths"][:] = 0
+        host["rng"][:] = 0
+        host["params"].view(np.float32)[:] = 0.0  # temperature 0: argmax, no draw
+        for s, (first, pick) in zip(spans, self.layout.places(spans)):
+            rows = slice(first, first + len(s.tokens))
+            positions = np.arange(s.start, s.end, dtype=np.int32)
+            host["tokens"][rows] = s.tokens
+            host["positions"][rows] = positions
+            host["kv_rows"][rows] = s.slot * max_len + positions
+            host["lengths"][rows] = positions + 1
+        picks = [pick for _, pick in self.layout.places(spans)]
+        host["params"].view(np.float32).reshape(-1, 3)[picks] = params.numpy()
+        host["rng"].reshape(-1, 3)[picks] = rng.numpy()
+        if self.device is not self.host:
+            self.device.copy_(self.host)
+
+
+class ProgramOps:
+    """MicroOps that record each call into a device program over a layout's rows (see forward.py
+    for the contracts; `inputs` holds what changes per step)."""
+
+    def __init__(self, build: ProgramBuilder, config: ModelConfig, pool: KVPool,
+                 inputs: StepInputs, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.build, self.config, self.pool, self.inputs = build, config, pool, inputs
+        self.layout, self.tables = inputs.layout, rotary
+        self.picks = torch.tensor(inputs.layout.picked_rows(), dtype=torch.int32,
+                                  device=pool.keys.device)
+
+    def _add(self, op: str, *inputs: torch.Tensor, out: torch.Tensor | None = None,
+             **scalars: float) -> torch.Tensor:
+        return self.build.add(OpCall(op, inputs, out=out, scalars=scalars))
+
+    def embed(self, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        x = self._add("gather_rows", table, self.inputs["tokens"])
+        if positions is None:
+            return x
+        return self._add("add", x, self._add("gather_rows", positions, self.inputs["positions"]),
+                         out=x)
+
+    def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        eps = self.config.norm_eps
+        if norm.bias is not None:
+            return self._add("layernorm", x, norm.weight, norm.bias, eps=eps)
+        return self._add("rmsnorm", x, norm.weight, eps=eps)
+
+    def add_norm(self, x: torch.Tensor, y: torch.Tensor,
+                 norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.config.norm_eps
+        if norm.bias is not None:
+            return x, self._add("add_layernorm", x, y, norm.weight, norm.bias, eps=eps)
+        return x, self._add("add_rmsnorm", x, y, norm.weight, eps=eps)
+
+    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        bias = () if linear.bias is None else (linear.bias,)
+        return self._add("linear", x, linear.weight, *bias)
+
+    def rotary(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.tables
+        return self._add("rotary", x, cos, sin, self.inputs["positions"][:, None], out=x)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> torch.Tensor:
+        rows = self.inputs["kv_rows"]
+        for new, cache in ((k, self.pool.keys[layer]), (v, self.pool.values[layer])):
+            # views, never copies: the program reads these tensors' memory at every run
+            self._add("scatter_rows", new.view(new.shape[0], -1), rows,
+                      out=cache.view(-1, new.shape[1] * new.shape[2]))
+        out = torch.empty_like(q)
+        first = self.layout.decode
+        if first:
+            self._attend(layer, q, out, slice(0, first), slice(0, first))
+        for slot, n in self.layout.prefill:
+            self._attend(layer, q, out, slice(first, first + n), slice(slot, slot + 1))
+            first += n
+        return out
+
+    def _attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, rows: slice,
+                slots: slice) -> None:
+        """Attention of q's `rows` over the keys of KV `slots` (one slot per row, or one slot
+        that every row reads), each row over its own length."""
+        c = self.config
+        group, n = c.heads // c.kv_heads, rows.stop - rows.start
+        heads = (n, c.kv_heads, group, c.head_dim)
+
+        def kv(cache: torch.Tensor) -> torch.Tensor:  # [slots, len, kv, d] -> [n, kv, group, len, d]
+            view = cache[slots].permute(0, 2, 1, 3)[:, :, None]
+            return view.expand(n, c.kv_heads, group, *view.shape[-2:])
+
+        lengths = self.inputs["lengths"][rows].view(n, 1, 1)
+        self.build.add(OpCall("attention_decode", (q[rows].view(heads), kv(self.pool.keys[layer]),
+                                                   kv(self.pool.values[layer]), lengths),
+                              out=out[rows].view(heads),
+                              scalars={"scale": 1 / math.sqrt(c.head_dim)}))
+
+    def activation(self, h: torch.Tensor, kind: str) -> torch.Tensor:
+        if kind == "silu_glu":
+            return self._add("swiglu", *h.chunk(2, dim=-1))
+        return self._add(ACTIVATIONS[kind], h)
+
+    def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        picked = self._add("gather_rows", h, self.picks)
+        out = torch.empty((self.layout.picks, head.shape[0]), dtype=torch.float32,
+                          device=head.device)
+        return self._add("linear", picked, head, out=out)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step hands back, per span in the order given."""
+
+    tokens: list[int]                 # the token chosen from the span's last row
+    finite: list[bool]                # whether that row's logits were all finite
+    logits: torch.Tensor | None       # [spans, vocab] fp32 on the CPU, when asked for
+
+
+class StepProgram:
+    """The device program of one layout: forward, sampling and a row sum of the logits (a
+    non-finite logit makes it non-finite), with its inputs."""
+
+    def __init__(self, rt: Runtime, model: Model, pool: KVPool, layout: Layout,
+                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.inputs = StepInputs(layout, rt.device)
+        ops = ProgramOps(rt.program(), model.config, pool, self.inputs, rotary)
+        self.logits = forward(model, ops)
+        inputs = (self.logits, self.inputs["params"], self.inputs["rng"])
+        self.tokens = ops.build.add(OpCall("sample_tokens", inputs))
+        self.sums = ops.build.add(OpCall("sum", (self.logits,), dims=(1,)))
+        self.program: Program = ops.build.build()
+        self.layout, self.max_len = layout, pool.max_len
+
+    def run(self, rt: Runtime, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor,
+            keep_logits: bool, timeout: float) -> StepResult:
+        """Write the step's inputs, run the program, read back the spans' tokens."""
+        self.inputs.write(spans, self.max_len, params, rng)
+        rt.submit(self.program).wait(timeout).check()
+        picks = [pick for _, pick in self.layout.places(spans)]
+        tokens, sums = self.tokens.cpu(), self.sums.cpu()
+        logits = self.logits[picks].cpu() if keep_logits else None
+        return StepResult(tokens[picks].tolist(), sums[picks].isfinite().tolist(), logits)
