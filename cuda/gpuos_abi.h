@@ -75,7 +75,7 @@ typedef struct GpuosTask {
 /* The queue's control words, in device memory beside the ring of GpuosTask records. */
 typedef struct GpuosQueue {
   uint64_t tail;  /* records published; written by the host in stream order, after their copy */
-  uint64_t head;  /* records claimed by worker blocks (compare-and-swap, never past tail) */
+  uint64_t head;  /* tickets taken by worker blocks (may pass tail: cuda/gpuos_worker.cu) */
   uint64_t stop;  /* nonzero: blocks exit once nothing is left to claim (quiesce before a load) */
   uint64_t claim; /* most records a block claims at once (1..GPUOS_MAX_CLAIM of the worker): the
                      host lowers it, in stream order, while dependent programs are queued */

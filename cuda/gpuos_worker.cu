@@ -1,13 +1,12 @@
-/* gpuos_worker.cu: the leased persistent worker (DESIGN.md, runtime protocol 1-4).
+/* gpuos_worker.cu: the leased persistent worker (docs/DESIGN.md, runtime protocol 1-4).
  *
- * One block per SM (the host picks the grid) polls the device-memory queue: it claims the next
- * published record by compare-and-swap on `head` (so a ticket is only ever taken for a record
- * that exists: nothing is claimed and then abandoned), copies the claimed descriptors into shared
- * memory, runs each record's operator through the image's jump table with all its threads, and writes
- * completion to mapped host memory. A block exits when the queue has been empty for `idle_ns`,
- * when the host sets `stop` and the queue is empty, or after `lease_ns` in total; the host
- * relaunches the worker when records are pending, so any implicit device sync waits at most one
- * lease and module loads can run between leases.
+ * One block per SM (the host picks the grid) polls the device-memory queue: it takes a ticket for
+ * the next record with one atomicAdd on `head` (see gpuos_claim), copies the claimed descriptors
+ * into shared memory, runs each record's operator through the image's jump table with all its
+ * threads, and writes completion to mapped host memory. A block exits when the queue has been
+ * empty for `idle_ns`, when the host sets `stop` and the queue is empty, or after `lease_ns` in
+ * total; the host relaunches the worker when records are pending, so any implicit device sync
+ * waits at most one lease (plus idle_ns, see gpuos_claim) and module loads can run between leases.
  *
  * Memory: descriptors and tensors are read with L1-bypassing loads (ld.global.cg): within one
  * long-lived launch an SM's L1 is never invalidated, and ring slots and torch's reused buffers
@@ -16,11 +15,13 @@
  * Dependencies (device programs, see gpuos_abi.h): before a record runs, thread 0 waits until each
  * event it names has reached its count; after it ran, thread 0 fences the block's writes and adds
  * one to the event it signals. Why waiting cannot deadlock:
- *   - records are claimed strictly in ticket order (head only grows, by compare-and-swap), and a
- *     record only waits for events signalled by records with smaller tickets (the host builds
- *     programs that way), so every record a claimed record waits for is itself already claimed;
+ *   - tickets are taken strictly in order (atomicAdd on head; only unpublished tickets are ever
+ *     given back, from the top), and a record only waits for events signalled by records with
+ *     smaller tickets (the host builds programs that way), so every record a claimed record waits
+ *     for is itself already claimed;
  *   - a block runs its claimed records in ticket order and never exits while it holds one (it
- *     exits only from gpuos_claim, between claims): lease and idle limits end a block only there;
+ *     exits only from gpuos_claim, between claims, or while holding tickets not yet published,
+ *     which it gives back first): lease and idle limits end a block only there;
  *   - claims are made only by blocks that are running, and a running block stays resident.
  * So the unfinished record with the smallest ticket waits for nothing unfinished: it is claimed,
  * its block is running it or the finished records before it, and it completes. By induction, all
@@ -44,17 +45,26 @@ __device__ __forceinline__ unsigned long long gpuos_acquire(const unsigned long 
   return v;
 }
 
-/* Most records one block claims at once when many are waiting (the queue's `claim` may be lower).
- * Each claim is a compare-and-swap on one word that all blocks contend for: 10k one-record tasks
- * in claims of ~3 spent most of a millisecond serialised on it, so claim a fair share up to 16
- * (load balance costs at most 16 records of one block's time at the end). Records of a claim run
- * one after the other, so while dependent programs are queued the host asks for smaller claims
- * (parallel tasks then spread over more blocks, at the cost of more contended claims). */
+/* Most records one block claims at once when many are waiting (the queue's `claim` may be lower):
+ * a fair share of the published records up to this. Records of a claim run one after the other,
+ * so while dependent programs are queued the host asks for claims of one (parallel tasks then
+ * spread over every block). */
 #define GPUOS_MAX_CLAIM 16
 
-/* Claims the next published records for this block: sets *first and returns how many (at least
- * one), or returns 0 when the block should exit. Thread 0 only. Taking several at once when the
- * queue is long keeps 132 blocks from serialising on one compare-and-swap per record. */
+/* Whether the block's tickets [t, t + n) may be given back: no later ticket was taken, so
+ * setting head back to t leaves no gap. */
+__device__ __forceinline__ bool gpuos_give_back(GpuosQueue* q, unsigned long long t, int n) {
+  return atomicCAS(&q->head, t + n, t) == t + n;
+}
+
+/* Claims records for this block: sets *first and returns how many (at least one), or returns 0
+ * when the block should exit. Thread 0 only.
+ * A ticket is one atomicAdd on `head`: all blocks get theirs in one round trip to L2 (claims by
+ * compare-and-swap succeeded one per round trip, ~0.45 us each under contention, which bounded a
+ * decode step of ~4000 records to ~1.8 ms). A ticket may run past `tail` (another block took the
+ * last published records between this block's look and its add): the block then waits for the
+ * host to publish them, or, idle for `idle_ns`, gives them back once no later ticket exists (the
+ * blocks holding unpublished tickets give theirs back from the highest down), and exits. */
 __device__ int gpuos_claim(GpuosQueue* q, unsigned long long started, unsigned long long idle_since,
                            unsigned long long idle_ns, unsigned long long lease_ns,
                            long long* first) {
@@ -67,11 +77,16 @@ __device__ int gpuos_claim(GpuosQueue* q, unsigned long long started, unsigned l
     if (head < tail) {
       const unsigned long long share = (tail - head) / gridDim.x;
       const int take = static_cast<int>(share < 1 ? 1 : (share > max_claim ? max_claim : share));
-      if (atomicCAS(&q->head, head, head + take) == head) {
-        *first = static_cast<long long>(head);
-        return take;
+      const unsigned long long t = atomicAdd(&q->head, static_cast<unsigned long long>(take));
+      *first = static_cast<long long>(t);
+      if (t + take <= tail) return take;
+      const unsigned long long waiting = gpuos_now_ns();
+      for (;;) { /* some of the tickets are not published yet */
+        if (gpuos_acquire(&q->tail) >= t + take) return take;
+        const bool stop = *reinterpret_cast<volatile unsigned long long*>(&q->stop);
+        if ((stop || gpuos_now_ns() - waiting > idle_ns) && gpuos_give_back(q, t, take)) return 0;
+        __nanosleep(256);
       }
-      continue;
     }
     if (*reinterpret_cast<volatile unsigned long long*>(&q->stop) || now - idle_since > idle_ns) return 0;
     __nanosleep(256);

@@ -19,7 +19,8 @@ class CudaConfig:
     stack_bytes: int = 1024         # per-thread stack limit, set once before the first launch
     tile_elements: int = 16384      # records of a large task cover about this many elements each
     max_claim: int = 16             # most records a worker block claims at once (1..16) ...
-    program_claim: int = 4          # ... while a dependent program is being published
+    program_claim: int = 1          # ... while a dependent program is being published (its
+                                    # tasks' records then spread over every block)
     stall_timeout_s: float = 10.0   # pending records and no completion this long: stalled
     publish_chunk: int = 1024       # records staged, copied and published at a time
     spin_s: float = 0.0005          # a waiting thread polls completions itself this long
