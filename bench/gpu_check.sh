@@ -23,12 +23,13 @@ step build 300 python3 -m gpuos_core.build
 mode="${1:-all}"
 if [[ "$mode" != bench ]]; then
     step smoke 120 python3 bench/gpu_smoke.py
-    step gpu-tests 560 python3 -m pytest -m gpu -q -x -p no:cacheprovider -o faulthandler_timeout=100 tests/gpu tests/unit/test_catalogue.py tests/unit/test_runtime.py tests/unit/test_program.py tests/unit/test_index_ops.py tests/unit/test_fused_norm.py tests/unit/test_device_sampling.py tests/unit/test_scheduler.py tests/unit/test_llm_engine.py
+    step gpu-tests 560 python3 -m pytest -m gpu -q -x -p no:cacheprovider -o faulthandler_timeout=100 tests/gpu tests/unit/test_catalogue.py tests/unit/test_runtime.py tests/unit/test_program.py tests/unit/test_index_ops.py tests/unit/test_attention.py tests/unit/test_fused_norm.py tests/unit/test_device_sampling.py tests/unit/test_scheduler.py tests/unit/test_llm_engine.py
 fi
 if [[ "$mode" != quick ]]; then
     step micro 420 python3 bench/micro.py --out "$OUT"
     step sched 300 python3 bench/sched.py --out "$OUT"
-    step llm 420 python3 bench/llm.py --out "$OUT"
+    step llm 600 python3 bench/llm.py --out "$OUT"
+    step kernels 420 python3 bench/kernels.py --out "$OUT"
 fi
 # The serving load test needs Ray Serve, FastAPI and Locust, which the GPU host lacks: carry the
 # bundle that ../shared/tools/offline_site.sh builds (.devbundle/site.tar.xz) to run it.

@@ -303,10 +303,12 @@ class RotaryFamily(Family):
 
 class AttentionFamily(Family):
     """Single-query attention decode: per row, softmax(scale · K q) · V over that row's own L keys,
-    or over its first min(lengths[r], L) keys (int32; zeros when <= 0) when lengths is given."""
+    or over its first min(lengths[r], L) keys (int32; zeros when <= 0) when lengths is given. The
+    layout adds the lengths (L when none) as input 3, [..., 1], carrying the workspace of an
+    AttentionPlan (cuda/ops/attention.cuh states the encoding); items are the plan's
+    (group, split) pairs."""
 
     name, header, macro = "attention_decode", "ops/attention.cuh", "GPUOS_DEFINE_ATTENTION_DECODE"
-    rows_are_items = True
     index_inputs = {3: "lengths"}
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
@@ -324,23 +326,51 @@ class AttentionFamily(Family):
         lead = _broadcast([q.shape[:-1], k.shape[:-2], v.shape[:-2]], "attention leading dims")
         kv = lead + tuple(k.shape[-2:])
         _check_ndim(kv, "attention K")
-        lengths = tuple(_index(n, lead, "attention lengths") for n in inputs[3:])
-        return Layout((q.expand(lead + (d,)), k.expand(kv), v.expand(kv)) + lengths, lead + (d,),
-                      lead + (d,), math.prod(lead))
+        if len(inputs) > 3:
+            lengths = _index(inputs[3], lead, "attention lengths")
+        else:  # every row attends over all L keys
+            lengths = torch.full((), k.shape[-2], dtype=torch.int32, device=q.device).expand(lead)
+        views = (q.expand(lead + (d,)), k.expand(kv), v.expand(kv))
+        plan = AttentionPlan.of(*views, lengths)
+        control = _carrying(lengths, plan.workspace(q.device))
+        return Layout(views + (control,), lead + (d,), lead + (d,), plan.items)
 
     def derived_scalar(self, name: str, inputs: Tensors) -> float | None:
         return 1.0 / math.sqrt(inputs[0].shape[-1]) if name == "scale" else None
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
+        """Over the caller's inputs or the encoded ones (lengths [..., 1] then)."""
         q, k, v = xs[:3]
         scores = torch.einsum("...d,...ld->...l", q, k) * p.scalars[0]
         if len(xs) == 3:
             return torch.einsum("...l,...ld->...d", torch.softmax(scores, dim=-1), v)
+        n = xs[3].reshape(xs[3].shape[:q.dim() - 1])  # drops the encoded trailing dim
         # Keys at or past a row's length are never read (the cache may hold anything there).
-        keep = torch.arange(k.shape[-2], device=k.device) < xs[3][..., None]
+        keep = torch.arange(k.shape[-2], device=k.device) < n[..., None]
         probs = torch.softmax(scores.masked_fill(~keep, -math.inf), dim=-1)
         probs = torch.where(keep.any(dim=-1, keepdim=True), probs, 0.0)  # no key: zeros, not NaN
         return torch.einsum("...l,...ld->...d", probs, v.masked_fill(~keep[..., None], 0.0))
+
+    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
+                end: int) -> None:
+        """The rows of the groups whose split 0 is among items [begin, end): each row once,
+        whichever records the items form (the device combines the splits instead)."""
+        rows = AttentionPlan.of(*xs).owned_rows(begin, end)
+        if rows.numel() == 0:
+            return
+        at = torch.unravel_index(rows, out.shape[:-1])
+        picked = [x[at].float() if x.is_floating_point() else x[at] for x in xs]
+        out[at] = self.compute(picked, p, expr).to(out.dtype)
+
+    def ranges(self, task: Prepared, tile_elements: int | None) -> list[tuple[int, int]]:
+        """Records of neighbouring items, ATTENTION_RECORDS_PER_SM per multiprocessor at most (so
+        that blocks claiming them even out ragged rows); one record when None."""
+        if tile_elements is None:
+            return [(0, task.items)]
+        sms = _sm_count(task.inputs[0].device)
+        records = max(1, min(task.items, ATTENTION_RECORDS_PER_SM * sms))
+        bounds = [r * task.items // records for r in range(records + 1)]
+        return list(zip(bounds[:-1], bounds[1:]))
 
 
 class ScatterRowsFamily(Family):
@@ -618,6 +648,107 @@ class LinearFamily(Family):
         records = max(1, min(task.items, _sm_count(task.inputs[0].device)))
         bounds = [r * task.items // records for r in range(records + 1)]
         return list(zip(bounds[:-1], bounds[1:]))
+
+
+# The cut of cuda/ops/attention.cuh (its GPUOS_ATTN_* constants; tests/unit/test_attention.py
+# checks that they agree).
+ATTENTION_ALIGN = 128        # a split's keys come in multiples of this: 16-key tiles over 8 warps
+ATTENTION_ACC = 16           # output accumulators per lane: queries of an item x D / 32
+ATTENTION_MAX_Q = 8          # queries of an item at most
+ATTENTION_HEADER = 4         # workspace words before the counters: G, NQ, C, S
+ATTENTION_ITEMS_PER_SM = 4   # keys are split until the items cover the SMs this many times
+ATTENTION_RECORDS_PER_SM = 4  # records per SM at most
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How an attention task's work is cut, as cuda/ops/attention.cuh states it: groups of at most
+    `nq` of the `group` innermost rows that share K, V and lengths, and `splits` ranges of `chunk`
+    keys; one work item per (group, split). Shapes and strides decide it, never lengths."""
+
+    rows: int    # rows of q
+    group: int   # G: innermost rows that share K, V and lengths
+    keys: int    # L
+    d: int       # D
+    splits: int  # S
+
+    @property
+    def nq(self) -> int:
+        """Queries of an item: as many of G as GPUOS_ATTN_ACC accumulators per lane allow."""
+        per_lane = 1
+        while 32 * per_lane < self.d:
+            per_lane *= 2
+        return min(self.group, ATTENTION_MAX_Q, ATTENTION_ACC // per_lane)
+
+    @property
+    def subgroups(self) -> int:
+        return _ceil_div(self.group, self.nq)
+
+    @property
+    def groups(self) -> int:
+        return self.rows // self.group * self.subgroups
+
+    @property
+    def chunk(self) -> int:
+        """Keys of a split."""
+        return _ceil_div(_ceil_div(self.keys, self.splits), ATTENTION_ALIGN) * ATTENTION_ALIGN
+
+    @property
+    def items(self) -> int:
+        return self.groups * self.splits
+
+    @property
+    def counters(self) -> int:
+        """Workspace words of the groups' arrival counters (padded like linear's)."""
+        return _ceil_div(self.groups, 4) * 4
+
+    @property
+    def workspace_words(self) -> int:
+        parts = self.splits * self.groups * self.nq * (self.d + 2) if self.splits > 1 else 0
+        return ATTENTION_HEADER + self.counters + parts
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+           ) -> "AttentionPlan":
+        """The plan of encoded views (lengths over q's leading dims, then anything): enough splits
+        that the items cover ATTENTION_ITEMS_PER_SM times the SMs, when the keys allow."""
+        lead, group = q.shape[:-1], 1
+        for dim in reversed(range(len(lead))):
+            if lead[dim] != 1 and (k.stride(dim) or v.stride(dim) or lengths.stride(dim)):
+                break
+            group *= lead[dim]
+        plan = cls(math.prod(lead), max(group, 1), k.shape[-2], q.shape[-1], 1)
+        want = _ceil_div(ATTENTION_ITEMS_PER_SM * _sm_count(q.device), max(plan.groups, 1))
+        plan = replace(plan, splits=max(1, min(want, _ceil_div(plan.keys, ATTENTION_ALIGN))))
+        return replace(plan, splits=_ceil_div(plan.keys, plan.chunk))  # no split without keys
+
+    def workspace(self, device: torch.device) -> torch.Tensor:
+        """Zeroed (the counters must be), after the header the device reads the plan from."""
+        words = torch.zeros(self.workspace_words, dtype=torch.int32, device=device)
+        words[:ATTENTION_HEADER] = torch.tensor([self.group, self.nq, self.chunk, self.splits],
+                                                dtype=torch.int32)
+        return words
+
+    def owned_rows(self, begin: int, end: int) -> torch.Tensor:
+        """The rows of the groups whose split 0 is among items [begin, end), in order: where the
+        CPU backend writes each row (once, whichever records the items form)."""
+        first, last = _ceil_div(begin, self.splits), _ceil_div(end, self.splits)
+        return torch.arange(self._first_row(first), self._first_row(last))
+
+    def _first_row(self, group: int) -> int:
+        period, sub = divmod(group, self.subgroups)
+        return min(period * self.group + sub * self.nq, self.rows)
+
+
+def _carrying(lengths: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
+    """Attention's lengths as encoded: [..., 1], the size-1 dim's stride the workspace's address in
+    int32 words (no element is addressed through it: the ABI has no fifth input). The view holds
+    the workspace, so that it lives as long as the task's inputs."""
+    view = lengths.unsqueeze(-1)
+    view = view.as_strided(view.shape, view.stride()[:-1] + (workspace.data_ptr() // 4,),
+                           view.storage_offset())
+    view.workspace = workspace  # type: ignore[attr-defined]
+    return view
 
 
 @functools.cache

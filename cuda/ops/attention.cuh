@@ -1,24 +1,61 @@
-/* attention.cuh: fused single-query attention decode.
+/* attention.cuh: single-query attention decode, split over the KV length (flash-decoding).
  *
- * Contract (host encoding): in = (q [..., D], K [..., L, D], V [..., L, D][, lengths [...]]) with
- * equal leading dims after expansion (grouped-query heads and per-request lengths are stride-0
- * broadcasts); lengths is GPUOS_DTYPE_I32; out [..., D]; scalars[0] = scale;
- * 1 <= D <= GPUOS_ATTN_MAX_D, L >= 1 (the host validates both). Rows are numbered row-major over
- * q's leading dims; a task covers rows [range_begin, range_end). Per row, with n = L, or
- * min(lengths[row], L) when lengths is given (read on the device: it may change between runs):
- *   p = softmax(scale * K q) over keys [0, n), out = p^T V; out = 0 when n <= 0.
+ * Contract (host encoding: gpuos_core/families.py, AttentionFamily and AttentionPlan):
+ *   in[0] = q [..., D], in[1] = K [..., L, D], in[2] = V [..., L, D], leading dims equal after
+ *           expansion (grouped-query heads are stride-0 broadcasts of K and V); rows are numbered
+ *           row-major over them; 1 <= D <= GPUOS_ATTN_MAX_D, L >= 1;
+ *   in[3] = lengths, int32 [..., 1]: one per row (stride-0 broadcasts), read on the device at
+ *           every run (n = min(lengths[row], L); out = 0 when n <= 0); the host puts L there when
+ *           the caller gave none. Its last dim has size 1, so no element is addressed through its
+ *           stride, which instead holds the address of the task's workspace in int32 words (the
+ *           ABI has no fifth input). The workspace, int32: GPUOS_ATTN_HEADER words (G, NQ, C, S),
+ *           then one arrival counter per group (zero between tasks: the last arrival resets it),
+ *           padded to a multiple of 4 words, then S * groups partials when S > 1;
+ *   out [..., D]; scalars[0] = scale.
+ * Plan: the innermost G rows over which K, V and lengths do not move share one pass over their
+ * keys; they form ceil(G / NQ) groups of at most NQ rows (queries). The keys [0, L) are cut into
+ * S splits of C keys (a multiple of GPUOS_ATTN_ALIGN); work item i is (group i / S, split i % S)
+ * and a record covers items [range_begin, range_end). The host picks C and S from shapes only, so
+ * a program keeps its records when lengths change: splits at or past a row's length return at
+ * once, and a row with n keys has A = ceil(n / C) active splits.
  *
- * Split-K in one block (flash-decoding): warp w takes keys w, w + W, ... with its own online
- * softmax (running max m, running sum s, output accumulator rescaled when m grows); lane i holds
- * output dims i, i + 32, ... in at most GPUOS_ATTN_DIMS_PER_LANE registers (fully unrolled, so no
- * local memory). The warps' states are then merged in warp order, so the result is deterministic.
- * Static shared memory: q (scaled) and the merged accumulator, 2 KiB, plus the block reductions. */
+ * An item: warp w of the first GPUOS_ATTN_WARPS takes 16-key tiles w, w + W, ... of the split
+ * with an online softmax (running max m and sum l per query, accumulators rescaled when m grows);
+ * the warps' states are merged in warp order. With A = 1 the block writes out; otherwise it
+ * stores its partial (m, l, o per query), fences, and counts itself in on the group's counter
+ * (atomicInc wraps at A); the block that arrives last combines the A partials in split order.
+ * Every step has a fixed order, so results are bitwise reproducible. A task must not run
+ * concurrently with itself (a second run would share the counters).
+ *
+ * Tensor-core path (q, K, V all fp16 or all bf16, D in {32, 64, 128, 256}, K and V rows
+ * contiguous and 16-byte aligned): scores of a tile are m16n8k16 products, K as A (lane (g, c)
+ * loads 16 bytes of keys g and g + 8 per 32 dims, as linear.cuh loads W) and the group's queries
+ * as B from shared memory; lane (g, c) then holds the scores of keys g, g + 8 for queries 2c,
+ * 2c + 1. Probabilities go through shared memory to the value pass, where lane i owns dims
+ * [i D / 32, (i + 1) D / 32) of every query and loads them of each key with one load. The next
+ * tile's rows are prefetched into L2 while this one is computed. Anything else takes the
+ * CUDA-core path: one key per warp at a time, the same items, merge and combine.
+ * Registers: at most GPUOS_ATTN_ACC accumulators per lane, so NQ = min(8, 16 / (D / 32)) (D / 32
+ * rounded up to a power of two); 64 registers in all (the NVRTC cap). Static shared memory:
+ * about 7 KB. Needs blockDim >= 32 GPUOS_ATTN_WARPS (the worker's 256 threads). */
 #pragma once
 
 #include "gpuos_device.cuh" /* found through -I<repo>/cuda */
+#include "ops/linear.cuh"   /* the m16n8k16 product, shared-memory loads and L2 prefetch */
 
 #define GPUOS_ATTN_MAX_D 256
-#define GPUOS_ATTN_DIMS_PER_LANE (GPUOS_ATTN_MAX_D / GPUOS_WARP)
+#define GPUOS_ATTN_WARPS 8    /* warps that scan keys; a larger block's other warps only merge */
+#define GPUOS_ATTN_TILE 16    /* keys of a warp's tile: the M of one product */
+#define GPUOS_ATTN_ALIGN (GPUOS_ATTN_TILE * GPUOS_ATTN_WARPS) /* a split's keys come in these */
+#define GPUOS_ATTN_MAX_Q 8    /* queries of an item: the N of one product */
+#define GPUOS_ATTN_ACC 16     /* output accumulators per lane: NQ * D / 32 */
+#define GPUOS_ATTN_HEADER 4   /* workspace words before the counters */
+#define GPUOS_ATTN_VBATCH 8   /* values of this many keys in flight per lane */
+
+/* Queries an item takes with NS = D / 32 (a power of two) output dims per lane. */
+__host__ __device__ constexpr int gpuos_attn_nq(int ns) {
+  return GPUOS_ATTN_ACC / ns < GPUOS_ATTN_MAX_Q ? GPUOS_ATTN_ACC / ns : GPUOS_ATTN_MAX_Q;
+}
 
 /* The [L, D] matrix of one row of a [..., L, D] ref: element (l, d) at byte address
  * key(l) + d * dstep. gpuos_seek moves it over the leading dims, numbered like q's rows. */
@@ -43,111 +80,498 @@ __device__ __forceinline__ GpuosKeys gpuos_keys(const GpuosTensorRef& ref) {
   return k;
 }
 
-/* One warp's online softmax over its keys: running max m, running sum s, and the output
- * accumulator of the dims its lane holds (lane i: dims i, i + 32, ...). */
-struct GpuosAttnState {
-  float m;
-  float s;
-  float acc[GPUOS_ATTN_DIMS_PER_LANE];
+/* What the records of one task share, computed once per record by thread 0. */
+struct GpuosAttnPlan {
+  int lead;               /* leading dims (rows are numbered over them) */
+  int64_t rows;           /* rows of q */
+  int d, keys;            /* D and L */
+  int group, nq;          /* G rows share K and V; at most NQ rows an item */
+  int subgroups;          /* groups per G rows: ceil(G / NQ) */
+  int chunk, splits;      /* C keys a split, S splits */
+  unsigned int* counters; /* a group's arrivals */
+  float* parts;           /* partials: (group * S + split) * NQ * (D + 2) floats */
+  bool fast;              /* the tensor-core path applies */
 };
 
-/* Fold keys warp, warp + warps, ... < l_len of one row into st, with N >= ceil(D / 32) dims per
- * lane. Each key's K and V elements are all loaded before any is used, so they are in flight
- * together; lanes past D load the key's first element instead (always valid) and drop it, which
- * keeps the loads branch-free. Pointers walk 32 dims at a time: offsets per dim would each stay
- * live across the loop. Past-D accumulators collect junk that is never stored. */
-template <int N>
-__device__ __forceinline__ void gpuos_attention_scan(const GpuosKeys& k, const GpuosKeys& v,
-                                                     const float* q, int d_len, int64_t l_len,
-                                                     GpuosAttnState& st) {
-  const int lane = threadIdx.x % GPUOS_WARP, warps = blockDim.x / GPUOS_WARP;
-  const int64_t kstep = k.dstep * GPUOS_WARP, vstep = v.dstep * GPUOS_WARP;
+/* One work item, the same in every thread. */
+struct GpuosAttnItem {
+  int64_t row0;     /* its first row */
+  int nq;           /* its rows (queries) */
+  int group, split;
+  int k0, k1;       /* its keys, cut at the row's length */
+  int active;       /* splits of the group that have keys: A */
+  GpuosKeys k, v;   /* the group's keys and values */
+};
+
+/* Shared memory of the operator. The probabilities and the merged outputs are never live
+ * together (a barrier separates the last tile from the merge). Arrays first: 16-byte aligned. */
+struct GpuosAttnShared {
+  float q[GPUOS_ATTN_ACC * GPUOS_WARP]; /* NQ * D staged queries: raw 16-bit or fp32 */
+  union {
+    struct {
+      float p[GPUOS_ATTN_TILE][GPUOS_ATTN_MAX_Q];  /* a tile's probabilities [key][query] */
+      float alpha[GPUOS_ATTN_MAX_Q];               /* the tile's rescale of the accumulators */
+    } tile[GPUOS_ATTN_WARPS];
+    float o[GPUOS_ATTN_ACC * GPUOS_WARP];          /* merged outputs [query][dim] */
+  };
+  float m[GPUOS_ATTN_WARPS][GPUOS_ATTN_MAX_Q];     /* each warp's running max ... */
+  float l[GPUOS_ATTN_WARPS][GPUOS_ATTN_MAX_Q];     /* ... and sum, per query */
+  float mall[GPUOS_ATTN_MAX_Q], lall[GPUOS_ATTN_MAX_Q]; /* the merged ones */
+  GpuosAttnPlan plan;
+  GpuosAttnItem item; /* the current item, from thread 0: no thread keeps it in registers */
+  int last;           /* this block completed a group */
+};
+
+/* Bytes between consecutive rows of staged 16-bit queries: D * 2, plus 64 when that is a
+ * multiple of 128, so that the two rows a quarter warp reads sit in different bank halves. */
+__device__ __forceinline__ int gpuos_attn_qpitch(int d) {
+  return 2 * d + ((2 * d) % 128 == 0 ? 64 : 0);
+}
+
+/* Whether K or V can feed the tensor-core path: contiguous rows, 16-byte aligned. */
+__device__ __forceinline__ bool gpuos_attn_rows16(const GpuosTensorRef& r) {
+  bool ok = r.strides[r.ndim - 1] == 1 && gpuos_aligned16(r.data);
   GPUOS_ROLLED
-  for (int64_t l = threadIdx.x / GPUOS_WARP; l < l_len; l += warps) {
-    const char *krow = k.key(l), *vrow = v.key(l);
-    const char *kp = krow + lane * k.dstep, *vp = vrow + lane * v.dstep;
-    float kv[N], vv[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i, kp += kstep, vp += vstep) {
-      const bool in = lane + i * GPUOS_WARP < d_len;
-      kv[i] = gpuos_load_ptr(in ? kp : krow, k.dtype);
-      vv[i] = gpuos_load_ptr(in ? vp : vrow, v.dtype);
+  for (int d = 0; d < r.ndim - 1; ++d) ok = ok && (r.strides[d] * 2) % 16 == 0;
+  return ok;
+}
+
+__device__ __forceinline__ bool gpuos_attn_fast(const GpuosTask* t, int d) {
+  const int dt = t->in[0].dtype;
+  const bool half = dt == GPUOS_DTYPE_F16 || dt == GPUOS_DTYPE_BF16;
+  const bool same = t->in[1].dtype == dt && t->in[2].dtype == dt;
+  const bool dims = d == 32 || d == 64 || d == 128 || d == 256;
+  return half && same && dims && gpuos_attn_rows16(t->in[1]) && gpuos_attn_rows16(t->in[2]);
+}
+
+__device__ __forceinline__ GpuosAttnPlan gpuos_attn_plan(const GpuosTask* t) {
+  const GpuosTensorRef &q = t->in[0], &n = t->in[3];
+  GpuosAttnPlan p;
+  p.lead = gpuos_row_dims(q);
+  p.d = static_cast<int>(gpuos_row_len(q));
+  p.rows = static_cast<unsigned int>(q.numel) / p.d; /* 32-bit: see gpuos_offset_dims */
+  p.keys = static_cast<int>(t->in[1].sizes[t->in[1].ndim - 2]);
+  const char* ws = reinterpret_cast<const char*>(n.strides[n.ndim - 1] * 4);
+  p.group = gpuos_load_i32(ws);
+  p.nq = gpuos_load_i32(ws + 4);
+  p.chunk = gpuos_load_i32(ws + 8);
+  p.splits = gpuos_load_i32(ws + 12);
+  p.subgroups = (p.group + p.nq - 1) / p.nq;
+  const unsigned int groups = static_cast<unsigned int>(p.rows) / p.group * p.subgroups;
+  p.counters = reinterpret_cast<unsigned int*>(const_cast<char*>(ws)) + GPUOS_ATTN_HEADER;
+  p.parts = reinterpret_cast<float*>(p.counters + gpuos_linear_counters(groups));
+  p.fast = gpuos_attn_fast(t, p.d);
+  return p;
+}
+
+__device__ __forceinline__ GpuosAttnItem gpuos_attn_item(const GpuosTask* t,
+                                                         const GpuosAttnPlan& p, int64_t i) {
+  const unsigned int u = static_cast<unsigned int>(i); /* 32-bit division: no call */
+  GpuosAttnItem it;
+  it.group = static_cast<int>(u / p.splits);
+  it.split = static_cast<int>(u % p.splits);
+  const int period = it.group / p.subgroups, sub = it.group % p.subgroups;
+  it.row0 = static_cast<int64_t>(period) * p.group + sub * p.nq;
+  it.nq = min(p.nq, p.group - sub * p.nq);
+  it.k = gpuos_keys(t->in[1]);
+  it.v = gpuos_keys(t->in[2]);
+  GpuosRow len = gpuos_vector(t->in[3]);
+  gpuos_seek(t->in[0], p.lead, it.row0, it.k, it.v, len);
+  const int n = min(gpuos_load_i32(len.p), p.keys);
+  it.active = n <= 0 ? 0 : (n + p.chunk - 1) / p.chunk;
+  it.k0 = it.split * p.chunk;
+  it.k1 = min(it.k0 + p.chunk, n);
+  return it;
+}
+
+/* Stage the item's queries in shared memory, rows past it zero: raw 16-bit rows
+ * gpuos_attn_qpitch apart for the products, else scale * q as fp32 [query][dim]. */
+template <int NQ>
+__device__ __forceinline__ void gpuos_attn_stage_q(const GpuosTask* t, const GpuosAttnPlan& p,
+                                                   const GpuosAttnItem& it, float* qs) {
+  const GpuosTensorRef& q = t->in[0];
+  GPUOS_ROLLED
+  for (int i = threadIdx.x; i < NQ * p.d; i += blockDim.x) {
+    const int r = i / p.d, d = i % p.d;
+    const char* at = gpuos_ptr(q, gpuos_row_offset(q, it.row0 + min(r, it.nq - 1), d));
+    if (p.fast) {
+      const unsigned short bits = r < it.nq ? gpuos_ld_u16(at) : 0;
+      *reinterpret_cast<unsigned short*>(reinterpret_cast<char*>(qs) + r * gpuos_attn_qpitch(p.d) +
+                                         2 * d) = bits;
+    } else {
+      qs[i] = r < it.nq ? t->scalars[0] * gpuos_load_ptr(at, q.dtype) : 0.0f;
     }
-    float dot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      dot += lane + i * GPUOS_WARP < d_len ? q[lane + i * GPUOS_WARP] * kv[i] : 0.0f;
-    }
-    dot = gpuos_warp_sum(dot);
-    const float m_new = fmaxf(st.m, dot), alpha = gpuos_exp_diff(st.m, m_new);
-    const float p = gpuos_exp_diff(dot, m_new);
-    st.s = st.s * alpha + p;
-#pragma unroll
-    for (int i = 0; i < N; ++i) st.acc[i] = st.acc[i] * alpha + p * vv[i];
-    st.m = m_new;
   }
 }
 
-/* One row; all threads of the block call it together. */
-__device__ __forceinline__ void gpuos_attention_row(const GpuosTask* t, int64_t r, float* q,
-                                                    float* merged) {
-  const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
-  const int d_len = static_cast<int>(gpuos_row_len(t->in[0]));
-  /* Without lengths, in[3] is an unused (zeroed) ref: seeking its row moves nothing. */
-  GpuosRow qr = gpuos_vector(t->in[0]), out = gpuos_vector(t->out), len = gpuos_vector(t->in[3]);
-  GpuosKeys k = gpuos_keys(t->in[1]), v = gpuos_keys(t->in[2]);
-  gpuos_seek(t->in[0], gpuos_row_dims(t->in[0]), r, qr, out, k, v, len);
-  int64_t l_len = t->in[1].sizes[t->in[1].ndim - 2];
-  if (t->num_inputs > 3) {
-    const int64_t n = gpuos_load_i32(len.p);
-    l_len = n < 0 ? 0 : (n < l_len ? n : l_len);
-  }
-  __syncthreads(); /* the previous row's readers of q and merged are done */
-  GPUOS_ROLLED
-  for (int d = threadIdx.x; d < d_len; d += blockDim.x) q[d] = t->scalars[0] * qr.load(d);
-  __syncthreads();
 
-  GpuosAttnState st;
-  st.m = gpuos_neg_inf();
-  st.s = 0.0f;
+/* A warp's output accumulators: lane i holds dims NS i + e of query j in v[j][e]. Running maxima
+ * and sums are kept by each path in its own layout and published into GpuosAttnShared m and l. */
+template <int NQ, int NS>
+struct GpuosAttnAcc {
+  float v[NQ][NS];
+};
+
+/* NS 16-bit values of one row for one lane, as loaded (two to a word): widened only when used,
+ * so that a batch of keys in flight costs NS / 2 registers each. */
+template <int NS>
+struct GpuosAttnRaw {
+  static constexpr int WORDS = (NS + 1) / 2;
+  unsigned int w[WORDS];
+
+  /* The NS values at p (aligned to 2 NS bytes) with one load. */
+  __device__ __forceinline__ void load(const char* p) {
+    if (NS == 1) {
+      w[0] = gpuos_ld_u16(p);
+    } else if (NS == 2) {
+      w[0] = gpuos_ld_u32(p);
+    } else if (NS == 4) {
+      const uint2 u = __ldcg(reinterpret_cast<const uint2*>(p));
+      w[0] = u.x, w[WORDS - 1] = u.y;
+    } else {
+      const uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
+      w[0] = u.x, w[1 % WORDS] = u.y, w[2 % WORDS] = u.z, w[3 % WORDS] = u.w;
+    }
+  }
+  template <bool BF16>
+  __device__ __forceinline__ float at(int e) const {
+    const unsigned short h = static_cast<unsigned short>(w[e / 2] >> (16 * (e & 1)));
+    return BF16 ? gpuos_bf16_to_f32(h) : gpuos_f16_to_f32(h);
+  }
+};
+
+/* ---- the tensor-core path ------------------------------------------------------------------- */
+
+/* Ask L2 for the key and value rows of the tile at kb (lanes 0-15 keys, 16-31 values), rows at
+ * or past k1 skipped: the tile after the current one arrives while this one is computed. */
+__device__ __forceinline__ void gpuos_attn_prefetch(const GpuosAttnItem& it, int kb, int bytes) {
+  const int lane = threadIdx.x % GPUOS_WARP, key = kb + lane % GPUOS_ATTN_TILE;
+  if (key < it.k1)
+    gpuos_prefetch_row(lane < GPUOS_ATTN_TILE ? it.k.key(key) : it.v.key(key), bytes, 0);
+}
+
+/* Scores q . k of the tile at kb, unscaled, for lane (g, c): c[0], c[1] key g with queries 2c,
+ * 2c + 1; c[2], c[3] key g + 8. Keys past k1 read row k1 - 1 (valid memory; masked later).
+ * `qrow`: shared address of this lane's query row g at dims 8c, meaningful for g < NQ (the
+ * products' other queries are zeros). */
+template <int NS, int NQ, bool BF16>
+__device__ __forceinline__ void gpuos_attn_scores(const GpuosAttnItem& it, int kb,
+                                                  unsigned int qrow, float (&c)[4]) {
+  constexpr int BATCH = NS < 2 ? NS : 2; /* 32-dim steps whose loads are in flight together */
+  const int lane = threadIdx.x % GPUOS_WARP, g = lane >> 2, q = lane & 3;
+  const char* first = it.k.key(min(kb + g, it.k1 - 1)) + 16 * q;
+  const char* second = it.k.key(min(kb + g + 8, it.k1 - 1)) + 16 * q;
+  c[0] = c[1] = c[2] = c[3] = 0.0f;
 #pragma unroll
-  for (int i = 0; i < GPUOS_ATTN_DIMS_PER_LANE; ++i) st.acc[i] = 0.0f;
-  /* Few versions of the key loop: dims per lane rounded up to a power of two. */
-  if (d_len <= GPUOS_WARP) {
-    gpuos_attention_scan<1>(k, v, q, d_len, l_len, st);
-  } else if (d_len <= 2 * GPUOS_WARP) {
-    gpuos_attention_scan<2>(k, v, q, d_len, l_len, st);
-  } else if (d_len <= 4 * GPUOS_WARP) {
-    gpuos_attention_scan<4>(k, v, q, d_len, l_len, st);
-  } else {
-    gpuos_attention_scan<GPUOS_ATTN_DIMS_PER_LANE>(k, v, q, d_len, l_len, st);
+  for (int s0 = 0; s0 < NS; s0 += BATCH) {
+    uint4 a[BATCH], b[BATCH];
+#pragma unroll
+    for (int s = 0; s < BATCH; ++s) {
+      a[s] = __ldcg(reinterpret_cast<const uint4*>(first + 64 * (s0 + s)));
+      b[s] = __ldcg(reinterpret_cast<const uint4*>(second + 64 * (s0 + s)));
+    }
+#pragma unroll
+    for (int s = 0; s < BATCH; ++s) {
+      const uint4 x = g < NQ ? gpuos_lds16(qrow + 64 * (s0 + s)) : make_uint4(0, 0, 0, 0);
+      gpuos_mma16816<BF16>(c, a[s].x, b[s].x, a[s].y, b[s].y, x.x, x.y);
+      gpuos_mma16816<BF16>(c, a[s].z, b[s].z, a[s].w, b[s].w, x.z, x.w);
+    }
   }
+}
 
-  /* Merge: rescale every warp to the block max; s is uniform in a warp, so lane 0 counts it. */
-  const float m_all = gpuos_block_max(st.m), f = gpuos_exp_diff(st.m, m_all);
-  const float s_all = gpuos_block_sum(lane == 0 ? st.s * f : 0.0f);
+/* Max over the 8 lanes g of one c (lanes c, c + 4, ... hold the same queries). */
+__device__ __forceinline__ float gpuos_attn_max8(float v) {
+#pragma unroll
+  for (int o = 4; o < GPUOS_WARP; o <<= 1) v = fmaxf(v, __shfl_xor_sync(GPUOS_ALL_LANES, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float gpuos_attn_sum8(float v) {
+#pragma unroll
+  for (int o = 4; o < GPUOS_WARP; o <<= 1) v += __shfl_xor_sync(GPUOS_ALL_LANES, v, o);
+  return v;
+}
+
+/* acc = acc * alpha + p^T V over the tile at kb, from its probabilities in shared memory (zero
+ * past k1, where row k1 - 1 is read instead), GPUOS_ATTN_VBATCH keys' loads in flight at once
+ * (half that for D = 256). */
+template <int NS, int NQ, bool BF16>
+__device__ __forceinline__ void gpuos_attn_values(const GpuosAttnItem& it, int kb,
+                                                  const float (&p)[GPUOS_ATTN_TILE][GPUOS_ATTN_MAX_Q],
+                                                  const float* alpha, GpuosAttnAcc<NQ, NS>& acc) {
+  constexpr int VB = NS < 8 ? GPUOS_ATTN_VBATCH : GPUOS_ATTN_VBATCH / 2;
+  const int ofs = 2 * NS * (threadIdx.x % GPUOS_WARP);
+#pragma unroll
+  for (int j = 0; j < NQ; ++j) {
+    const float a = alpha[j];
+#pragma unroll
+    for (int e = 0; e < NS; ++e) acc.v[j][e] *= a;
+  }
+#pragma unroll
+  for (int k0 = 0; k0 < GPUOS_ATTN_TILE; k0 += VB) {
+    GpuosAttnRaw<NS> raw[VB];
+#pragma unroll
+    for (int u = 0; u < VB; ++u) raw[u].load(it.v.key(min(kb + k0 + u, it.k1 - 1)) + ofs);
+#pragma unroll
+    for (int u = 0; u < VB; ++u) {
+      float pk[NQ];
+#pragma unroll
+      for (int j = 0; j < NQ; ++j) pk[j] = p[k0 + u][j];
+#pragma unroll
+      for (int e = 0; e < NS; ++e) {
+        const float x = raw[u].template at<BF16>(e);
+#pragma unroll
+        for (int j = 0; j < NQ; ++j) acc.v[j][e] += pk[j] * x;
+      }
+    }
+  }
+}
+
+/* This warp's tiles of the item on tensor cores; publishes its maxima and sums per query. */
+template <int NS, int NQ, bool BF16>
+__device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const GpuosAttnPlan& p,
+                                                    const GpuosAttnItem& it, GpuosAttnShared& sh,
+                                                    GpuosAttnAcc<NQ, NS>& acc) {
+  const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
+  const int g = lane >> 2, c = lane & 3, bytes = 2 * p.d, step = GPUOS_ATTN_TILE * GPUOS_ATTN_WARPS;
+  const float scale = t->scalars[0], none = gpuos_neg_inf();
+  const unsigned int qrow = gpuos_smem_address(sh.q) + g * gpuos_attn_qpitch(p.d) + 16 * c;
+  float (&prob)[GPUOS_ATTN_TILE][GPUOS_ATTN_MAX_Q] = sh.tile[warp].p;
+  float m0 = none, m1 = none, l0 = 0.0f, l1 = 0.0f; /* queries 2c and 2c + 1 */
+  gpuos_attn_prefetch(it, it.k0 + GPUOS_ATTN_TILE * warp, bytes);
   GPUOS_ROLLED
-  for (int w = 0; w < blockDim.x / GPUOS_WARP; ++w) {
+  for (int kb = it.k0 + GPUOS_ATTN_TILE * warp; kb < it.k1; kb += step) {
+    gpuos_attn_prefetch(it, kb + step, bytes);
+    float s[4];
+    gpuos_attn_scores<NS, NQ, BF16>(it, kb, qrow, s);
+    const bool in0 = kb + g < it.k1, in1 = kb + g + 8 < it.k1;
+    s[0] = in0 ? scale * s[0] : none, s[1] = in0 ? scale * s[1] : none;
+    s[2] = in1 ? scale * s[2] : none, s[3] = in1 ? scale * s[3] : none;
+    /* key kb is in the tile, so both maxima are finite */
+    const float n0 = fmaxf(m0, gpuos_attn_max8(fmaxf(s[0], s[2])));
+    const float n1 = fmaxf(m1, gpuos_attn_max8(fmaxf(s[1], s[3])));
+    const float a0 = gpuos_exp_diff(m0, n0), a1 = gpuos_exp_diff(m1, n1);
+    const float p0 = gpuos_exp_diff(s[0], n0), p1 = gpuos_exp_diff(s[1], n1);
+    const float p2 = gpuos_exp_diff(s[2], n0), p3 = gpuos_exp_diff(s[3], n1);
+    l0 = l0 * a0 + p0 + p2, l1 = l1 * a1 + p1 + p3, m0 = n0, m1 = n1;
+    *reinterpret_cast<float2*>(&prob[g][2 * c]) = make_float2(p0, p1);
+    *reinterpret_cast<float2*>(&prob[g + 8][2 * c]) = make_float2(p2, p3);
+    if (g == 0) *reinterpret_cast<float2*>(&sh.tile[warp].alpha[2 * c]) = make_float2(a0, a1);
+    __syncwarp();
+    gpuos_attn_values<NS, NQ, BF16>(it, kb, prob, sh.tile[warp].alpha, acc);
+    __syncwarp(); /* every lane read the tile's probabilities before the next overwrites them */
+  }
+  l0 = gpuos_attn_sum8(l0), l1 = gpuos_attn_sum8(l1);
+  if (g == 0 && 2 * c < NQ) sh.m[warp][2 * c] = m0, sh.l[warp][2 * c] = l0;
+  if (g == 0 && 2 * c + 1 < NQ) sh.m[warp][2 * c + 1] = m1, sh.l[warp][2 * c + 1] = l1;
+}
+
+/* ---- the CUDA-core path --------------------------------------------------------------------- */
+
+/* This warp's keys warp, warp + W, ... of the item, one at a time: lane i loads dims NS i + e of
+ * the key and the value (lanes past D load dim 0 and drop it), a warp sum per query gives its
+ * score. Queries are fp32, scaled, in shared memory [query][dim]. */
+template <int NS, int NQ>
+__device__ __forceinline__ void gpuos_attn_scan_generic(const GpuosAttnPlan& p,
+                                                        const GpuosAttnItem& it,
+                                                        GpuosAttnShared& sh,
+                                                        GpuosAttnAcc<NQ, NS>& acc) {
+  const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
+  const int64_t kofs = NS * lane * it.k.dstep, vofs = NS * lane * it.v.dstep;
+  float m[NQ], l[NQ];
+#pragma unroll
+  for (int j = 0; j < NQ; ++j) m[j] = gpuos_neg_inf(), l[j] = 0.0f;
+  GPUOS_ROLLED
+  for (int key = it.k0 + warp; key < it.k1; key += GPUOS_ATTN_WARPS) {
+    const char *kr = it.k.key(key), *vr = it.v.key(key);
+    float kv[NS], vv[NS];
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+      const bool in = NS * lane + e < p.d;
+      kv[e] = gpuos_load_ptr(in ? kr + kofs + e * it.k.dstep : kr, it.k.dtype);
+      vv[e] = gpuos_load_ptr(in ? vr + vofs + e * it.v.dstep : vr, it.v.dtype);
+    }
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < NS; ++e) {
+        const int d = NS * lane + e;
+        dot += d < p.d ? sh.q[j * p.d + d] * kv[e] : 0.0f;
+      }
+      dot = gpuos_warp_sum(dot);
+      const float m_new = fmaxf(m[j], dot), alpha = gpuos_exp_diff(m[j], m_new);
+      const float pj = gpuos_exp_diff(dot, m_new);
+      l[j] = l[j] * alpha + pj, m[j] = m_new;
+#pragma unroll
+      for (int e = 0; e < NS; ++e) acc.v[j][e] = acc.v[j][e] * alpha + pj * vv[e];
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) sh.m[warp][j] = m[j], sh.l[warp][j] = l[j];
+  }
+}
+
+/* ---- merge, partials and the combine -------------------------------------------------------- */
+
+/* The warps' states into shared mall, lall and o (rescaled to the common max, summed in warp
+ * order). All threads call; warps past GPUOS_ATTN_WARPS hold nothing. */
+template <int NS, int NQ>
+__device__ __forceinline__ void gpuos_attn_merge(const GpuosAttnPlan& p, GpuosAttnShared& sh,
+                                                 const GpuosAttnAcc<NQ, NS>& acc) {
+  const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
+  __syncthreads(); /* states published; tiles done (o overlays them) */
+  if (threadIdx.x < NQ) {
+    const int j = threadIdx.x;
+    float m = gpuos_neg_inf(), l = 0.0f;
+    GPUOS_ROLLED
+    for (int w = 0; w < GPUOS_ATTN_WARPS; ++w) m = fmaxf(m, sh.m[w][j]);
+    GPUOS_ROLLED
+    for (int w = 0; w < GPUOS_ATTN_WARPS; ++w) l += sh.l[w][j] * gpuos_exp_diff(sh.m[w][j], m);
+    sh.mall[j] = m, sh.lall[j] = l;
+  }
+  __syncthreads();
+  GPUOS_ROLLED
+  for (int w = 0; w < GPUOS_ATTN_WARPS; ++w) {
     if (warp == w) {
 #pragma unroll
-      for (int i = 0; i < GPUOS_ATTN_DIMS_PER_LANE; ++i) {
-        const int d = lane + i * GPUOS_WARP;
-        if (d < d_len) merged[d] = (w == 0 ? 0.0f : merged[d]) + st.acc[i] * f;
+      for (int j = 0; j < NQ; ++j) {
+        const float f = gpuos_exp_diff(sh.m[w][j], sh.mall[j]);
+#pragma unroll
+        for (int e = 0; e < NS; ++e) {
+          const int d = NS * lane + e;
+          if (d < p.d) sh.o[j * p.d + d] = (w == 0 ? 0.0f : sh.o[j * p.d + d]) + acc.v[j][e] * f;
+        }
       }
     }
     __syncthreads();
   }
-  /* No key: merged and s_all are both 0. */
+}
+
+/* Store value f(j, d) of each of the item's rows j and dims d into out. */
+template <class F>
+__device__ __forceinline__ void gpuos_attn_store(const GpuosTask* t, const GpuosAttnPlan& p,
+                                                 const GpuosAttnItem& it, F f) {
   GPUOS_ROLLED
-  for (int d = threadIdx.x; d < d_len; d += blockDim.x)
-    out.store(d, l_len > 0 ? gpuos_div(merged[d], s_all) : 0.0f);
+  for (int i = threadIdx.x; i < it.nq * p.d; i += blockDim.x) {
+    const int j = i / p.d, d = i % p.d;
+    gpuos_store(t->out, gpuos_row_offset(t->out, it.row0 + j, d), f(j, d));
+  }
+}
+
+/* Split s of the item's group: NQ maxima, NQ sums, then NQ x D outputs, fp32. */
+__device__ __forceinline__ float* gpuos_attn_part(const GpuosAttnPlan& p, const GpuosAttnItem& it,
+                                                  int s) {
+  return p.parts + (static_cast<int64_t>(it.group) * p.splits + s) * p.nq * (p.d + 2);
+}
+
+/* The group's outputs from its A partials, rescaled to their common max and summed in split
+ * order. */
+__device__ __forceinline__ void gpuos_attn_combine(const GpuosTask* t, const GpuosAttnPlan& p,
+                                                   const GpuosAttnItem& it) {
+  gpuos_attn_store(t, p, it, [&](int j, int d) {
+    float m = gpuos_neg_inf(), num = 0.0f, den = 0.0f;
+    GPUOS_ROLLED
+    for (int s = 0; s < it.active; ++s) m = fmaxf(m, __ldcg(gpuos_attn_part(p, it, s) + j));
+    GPUOS_ROLLED
+    for (int s = 0; s < it.active; ++s) {
+      const float* part = gpuos_attn_part(p, it, s);
+      const float f = gpuos_exp_diff(__ldcg(part + j), m);
+      den += __ldcg(part + p.nq + j) * f;
+      num += __ldcg(part + 2 * p.nq + j * p.d + d) * f;
+    }
+    return gpuos_div(num, den);
+  });
+}
+
+/* The merged item: out when it is the group's only split, else its partial, counted in on the
+ * group's counter; the block that completes the group combines it. All threads call. */
+__device__ __forceinline__ void gpuos_attn_emit(const GpuosTask* t, const GpuosAttnPlan& p,
+                                                const GpuosAttnItem& it, GpuosAttnShared& sh) {
+  if (it.active == 1) {
+    gpuos_attn_store(t, p, it, [&](int j, int d) { return gpuos_div(sh.o[j * p.d + d], sh.lall[j]); });
+    return;
+  }
+  float* part = gpuos_attn_part(p, it, it.split);
+  GPUOS_ROLLED
+  for (int i = threadIdx.x; i < it.nq * p.d; i += blockDim.x) part[2 * p.nq + i] = sh.o[i];
+  if (threadIdx.x < it.nq) part[threadIdx.x] = sh.mall[threadIdx.x];
+  if (threadIdx.x < it.nq) part[p.nq + threadIdx.x] = sh.lall[threadIdx.x];
+  __threadfence(); /* this thread's partials are visible before the count that announces them */
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int seen = atomicInc(p.counters + it.group, it.active - 1);
+    sh.last = seen == static_cast<unsigned int>(it.active - 1);
+  }
+  __syncthreads();
+  if (sh.last) {
+    __threadfence(); /* the other splits' partials, fenced before their counts, are read after */
+    gpuos_attn_combine(t, p, it);
+  }
+}
+
+/* ---- the operator --------------------------------------------------------------------------- */
+
+/* The record's items with NS output dims per lane; MODE 0: CUDA cores, 1: fp16 and 2: bf16 on
+ * tensor cores. */
+template <int NS, int MODE>
+__device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnShared& sh) {
+  constexpr int NQ = gpuos_attn_nq(NS);
+  const GpuosAttnPlan& p = sh.plan;
+  const bool scans = threadIdx.x < GPUOS_ATTN_WARPS * GPUOS_WARP;
+  const GpuosAttnItem& it = sh.item;
+  GPUOS_ROLLED
+  for (int64_t i = t->range_begin; i < t->range_end; ++i) {
+    __syncthreads(); /* the previous item's readers of item, q, o and last are done */
+    if (threadIdx.x == 0) sh.item = gpuos_attn_item(t, p, i);
+    __syncthreads();
+    if (it.split >= it.active) { /* no key here; a row with none at all reads zeros */
+      if (it.active == 0 && it.split == 0) gpuos_attn_store(t, p, it, [](int, int) { return 0.0f; });
+      continue;
+    }
+    gpuos_attn_stage_q<NQ>(t, p, it, sh.q);
+    __syncthreads();
+    GpuosAttnAcc<NQ, NS> acc;
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) {
+#pragma unroll
+      for (int e = 0; e < NS; ++e) acc.v[j][e] = 0.0f;
+    }
+    if (scans && MODE == 0) gpuos_attn_scan_generic<NS, NQ>(p, it, sh, acc);
+    if (scans && MODE != 0) gpuos_attn_scan_mma<NS, NQ, MODE == 2>(t, p, it, sh, acc);
+    gpuos_attn_merge<NS, NQ>(p, sh, acc);
+    gpuos_attn_emit(t, p, it, sh);
+  }
+}
+
+template <int NS>
+__device__ __forceinline__ void gpuos_attn_mode(const GpuosTask* t, GpuosAttnShared& sh) {
+  if (!sh.plan.fast) {
+    gpuos_attn_items<NS, 0>(t, sh);
+  } else if (t->in[0].dtype == GPUOS_DTYPE_BF16) {
+    gpuos_attn_items<NS, 2>(t, sh);
+  } else {
+    gpuos_attn_items<NS, 1>(t, sh);
+  }
 }
 
 __device__ __forceinline__ void gpuos_attention_decode(const GpuosTask* t) {
-  __shared__ float q[GPUOS_ATTN_MAX_D];
-  __shared__ float merged[GPUOS_ATTN_MAX_D];
-  GPUOS_ROLLED
-  for (int64_t r = t->range_begin; r < t->range_end; ++r) gpuos_attention_row(t, r, q, merged);
+  __shared__ __align__(16) GpuosAttnShared sh;
+  if (t->range_begin >= t->range_end) return; /* no rows: uniform */
+  if (threadIdx.x == 0) sh.plan = gpuos_attn_plan(t);
+  __syncthreads();
+  /* Few versions of the loops: dims per lane rounded up to a power of two. */
+  const int d = sh.plan.d;
+  if (d <= GPUOS_WARP) {
+    gpuos_attn_mode<1>(t, sh);
+  } else if (d <= 2 * GPUOS_WARP) {
+    gpuos_attn_mode<2>(t, sh);
+  } else if (d <= 4 * GPUOS_WARP) {
+    gpuos_attn_mode<4>(t, sh);
+  } else {
+    gpuos_attn_mode<8>(t, sh);
+  }
 }
 
 #define GPUOS_DEFINE_ATTENTION_DECODE(SYMBOL) \

@@ -1,0 +1,172 @@
+"""Attention decode split over the KV length (issue 12): each backend against SDPA in float64 for
+ragged lengths 1..4096, grouped-query heads, every float dtype, the tensor-core and CUDA-core
+paths (head dims 64, 128 and 80), lengths 0, negative and past the cache, one long row and 64
+short ones, a program rerun with new lengths, bitwise reproducible runs; and the plan that cuts
+the work (splits from shapes only, each row written once whatever the records)."""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from gpuos_core import OpCall, Runtime
+from gpuos_core import families as fam
+from gpuos_core.families import AttentionPlan
+from gpuos_core.paths import CUDA_DIR
+from test_catalogue import DTYPES
+from test_index_ops import assert_close, ints, randn, run, sliced_attention
+
+
+@pytest.fixture(scope="module")
+def rt(tiled_rt: Runtime) -> Runtime:
+    return tiled_rt
+
+
+def cache(rt: Runtime, requests: int, kv_heads: int, capacity: int, d: int, dtype: torch.dtype,
+          lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [requests, kv_heads, capacity, d], NaN past each request's length (never read)."""
+    k, v = (randn(rt, (requests, kv_heads, capacity, d), dtype, seed + i) for i in range(2))
+    for b, n in enumerate(lengths):
+        k[b, :, max(n, 0):], v[b, :, max(n, 0):] = float("nan"), float("nan")
+    return k, v
+
+
+def decode_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                out: torch.Tensor | None = None) -> OpCall:
+    """The engine's call: q [R, Hkv, G, D] over K, V [R, Hkv, L, D] broadcast over the group, one
+    length per request."""
+    n = lengths.view(-1, 1, 1)
+    return OpCall("attention_decode", (q, k[:, :, None], v[:, :, None], n), out=out)
+
+
+def check_decode(rt: Runtime, lengths: list[int], kv_heads: int, group: int, d: int,
+                 dtype: torch.dtype, capacity: int | None = None, seed: int = 0) -> None:
+    capacity = capacity or max(max(lengths), 1)
+    k, v = cache(rt, len(lengths), kv_heads, capacity, d, dtype, lengths, seed)
+    q = randn(rt, (len(lengths), kv_heads, group, d), dtype, seed + 2)
+    n = ints(rt, lengths)
+    out = run(rt, decode_call(q, k, v, n))
+    assert_close(out, sliced_attention(q, k, v, n))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 128, 80])  # 80: the CUDA-core path
+@pytest.mark.parametrize("kv_heads, group", [(4, 1), (2, 4)])
+def test_ragged_lengths_up_to_4096_match_sdpa(rt: Runtime, dtype: torch.dtype, d: int,
+                                              kv_heads: int, group: int) -> None:
+    rng = random.Random(d * 10 + group)
+    lengths = [1, 4096, 127, 128, 129, 1000] + [rng.randint(1, 4096) for _ in range(4)]
+    check_decode(rt, lengths, kv_heads, group, d, dtype, seed=d + group)
+
+
+@pytest.mark.parametrize("d", [32, 256])
+def test_head_dims_32_and_256_with_a_group_larger_than_an_item(rt: Runtime, d: int) -> None:
+    """Groups of 8 queries: more than an item takes at D = 256, so a group spans two items."""
+    check_decode(rt, [300, 5, 2048], 1, 8, d, torch.float16, seed=d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_long_row_and_64_short_rows(rt: Runtime, dtype: torch.dtype) -> None:
+    check_decode(rt, [4096], 8, 4, 128, dtype, seed=1)  # one request: its keys split many ways
+    rng = random.Random(64)
+    check_decode(rt, [rng.randint(1, 64) for _ in range(64)], 4, 2, 64, dtype, seed=2)
+
+
+def test_lengths_zero_negative_and_past_the_cache_with_grouped_heads(rt: Runtime) -> None:
+    lengths = [0, -3, 17, 600, 100000]  # past the cache: clamped to its 600 keys
+    k, v = cache(rt, 5, 2, 600, 128, torch.float16, [0, 0, 17, 600, 600], 3)
+    q = randn(rt, (5, 2, 4, 128), torch.float16, 4)
+    n = ints(rt, lengths)
+    out = torch.full_like(q, float("nan"))
+    run(rt, decode_call(q, k, v, n, out=out))
+    assert (out[:2] == 0).all()  # no key: zeros, not NaN
+    assert_close(out, sliced_attention(q, k, v, n))
+
+
+def test_a_fixed_program_reruns_with_new_lengths(rt: Runtime) -> None:
+    requests, kv_heads, group, capacity, d = 3, 2, 4, 1024, 128
+    k, v = (randn(rt, (requests, kv_heads, capacity, d), torch.float16, s) for s in (5, 6))
+    q = randn(rt, (requests, kv_heads, group, d), torch.float16, 7)
+    lengths = ints(rt, [1, 1, 1])
+    build = rt.program()
+    out = build.add(decode_call(q, k, v, lengths))
+    step = build.build()
+    records = len(step.tasks.records)
+    for n in ([1, 1024, 0], [700, 3, 1024], [129, 128, -1], [1024, 1024, 1024]):
+        lengths.copy_(ints(rt, n))
+        rt.submit(step).wait(30)
+        assert_close(out, sliced_attention(q, k, v, lengths))
+    assert len(step.tasks.records) == records
+
+
+def test_runs_are_bitwise_reproducible(rt: Runtime) -> None:
+    lengths = [4096, 37, 2000]
+    k, v = cache(rt, 3, 2, 4096, 128, torch.bfloat16, lengths, 8)
+    q = randn(rt, (3, 2, 4, 128), torch.bfloat16, 9)
+    task = rt.prepare(decode_call(q, k, v, ints(rt, lengths)))
+    first = rt.submit([task]).wait(30).result(0).clone()
+    for _ in range(3):
+        assert torch.equal(rt.submit([task]).wait(30).result(0), first)
+
+
+# -- the plan --------------------------------------------------------------------------------
+
+def test_constants_agree_with_the_cuda_header() -> None:
+    text = (CUDA_DIR / "ops" / "attention.cuh").read_text()
+    defines = dict(re.findall(r"#define (GPUOS_ATTN_\w+) (\w+)", text))
+    tile, warps = int(defines["GPUOS_ATTN_TILE"]), int(defines["GPUOS_ATTN_WARPS"])
+    assert fam.ATTENTION_ALIGN == tile * warps
+    assert fam.ATTENTION_ACC == int(defines["GPUOS_ATTN_ACC"])
+    assert fam.ATTENTION_MAX_Q == int(defines["GPUOS_ATTN_MAX_Q"])
+    assert fam.ATTENTION_HEADER == int(defines["GPUOS_ATTN_HEADER"])
+
+
+def views(rows: int, kv_heads: int, group: int, keys: int, d: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = torch.zeros(rows, kv_heads, group, d)
+    k = torch.zeros(rows, kv_heads, 1, keys, d).expand(rows, kv_heads, group, keys, d)
+    return q, k, k, torch.zeros(rows, 1, 1, dtype=torch.int32).expand(rows, kv_heads, group)
+
+
+def test_plan_splits_few_long_rows_and_not_many() -> None:
+    one = AttentionPlan.of(*views(1, 8, 4, 4096, 128))
+    assert (one.group, one.nq, one.groups) == (4, 4, 8)
+    assert one.splits == 32 and one.chunk == 128  # as many as 128-key chunks allow
+    many = AttentionPlan.of(*views(64, 32, 1, 2048, 128))
+    assert (many.groups, many.splits, many.chunk) == (2048, 1, 2048)
+    wide = AttentionPlan.of(*views(2, 1, 8, 1000, 256))
+    assert (wide.nq, wide.subgroups, wide.groups) == (2, 4, 8)
+    assert wide.splits * wide.chunk >= 1000 > (wide.splits - 1) * wide.chunk
+
+
+def test_each_row_is_owned_by_exactly_one_record_whatever_the_cut() -> None:
+    plan = AttentionPlan.of(*views(3, 2, 7, 1000, 64))  # groups of 7 rows: items of 7 and 0
+    assert plan.nq == 7 and plan.splits > 1
+    rng = random.Random(3)
+    for _ in range(20):
+        cuts = sorted({0, plan.items, *(rng.randrange(plan.items) for _ in range(5))})
+        rows = torch.cat([plan.owned_rows(a, b) for a, b in zip(cuts, cuts[1:])])
+        assert torch.equal(rows, torch.arange(plan.rows))
+
+
+def test_items_depend_on_shapes_not_lengths(rt: Runtime) -> None:
+    q, k, _, _ = views(4, 2, 2, 512, 64)
+    q, k = q.to(rt.device), k.to(rt.device)
+    counts = {rt.prepare(OpCall("attention_decode", (q, k, k, ints(rt, n).view(4, 1, 1)))).items
+              for n in ([1, 1, 1, 1], [512, 0, -5, 9000])}
+    assert len(counts) == 1
+
+
+def test_the_encoded_lengths_carry_the_workspace(rt: Runtime) -> None:
+    q, k, _, _ = views(2, 2, 2, 300, 64)
+    task = rt.prepare(OpCall("attention_decode", (q.to(rt.device), k.to(rt.device),
+                                                  k.to(rt.device))))
+    control = task.inputs[3]
+    assert control.shape == (2, 2, 2, 1) and (control == 300).all()  # no lengths: L keys
+    workspace = control.workspace
+    assert control.stride(-1) * 4 == workspace.data_ptr()
+    plan = AttentionPlan.of(*task.inputs)
+    assert workspace.numel() == plan.workspace_words
+    assert workspace[:4].tolist() == [plan.group, plan.nq, plan.chunk, plan.splits]
