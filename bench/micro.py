@@ -1,7 +1,7 @@
 """Micro-benchmarks of the GPUOS runtime on a CUDA device (elementwise batches, a fused chain,
 attention decode, round trips, device programs, hot swap), each figure beside its baselines measured
-in the same run (DESIGN.md "Baselines"). Writes micro.json (device, driver, commit, date, a flat
-summary and every table) to --out and prints a short table last.
+in the same run (docs/DESIGN.md "Baselines"). Writes micro.json (device, driver, commit, date, a
+flat summary and every table) to --out and prints a short table last.
 
     python3 bench/micro.py --out bench/results [--quick]
 
@@ -64,6 +64,12 @@ def graph_of(fn: Callable[[], object]) -> Callable[[], None]:
     with torch.cuda.stream(stream):
         fn()  # warm-up outside capture (allocations, lazy module loads)
     torch.cuda.current_stream().wait_stream(stream)
+    return captured(fn)
+
+
+def captured(fn: Callable[[], object]) -> Callable[[], None]:
+    """A replay of `fn`'s launches captured in a CUDA graph, synchronised; `fn` must have run
+    once before (its warm-up). Capture runs nothing: the state `fn` works on is unchanged."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
