@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a CUDA machine: GPU tests, then the benchmarks; JSON and logs go to $OUT (or
 # bench/results/ when $OUT is unset). Runs with the machine's python3 and whatever it has; every
-# step has a timeout because a wedged worker can hang a process (DESIGN.md, protocol 5).
+# step has a timeout because a wedged worker can hang a process (docs/DESIGN.md, protocol 5).
 #   bash bench/gpu_check.sh [quick|bench]   quick: smoke + GPU tests only; bench: benchmarks only
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -10,10 +10,10 @@
  * runtime-indexed array in local memory).
  *
  * Registers: an operator is an ABI function called through the jump table, and the linker gives
- * the worker the largest register count of any function it may call (DESIGN.md, runtime protocol
- * 1). Hence no calls inside operators (64-bit division, IEEE division and sqrtf are calls), rolled
- * loops that batch their loads explicitly, branch-free loads, and pointer walks instead of
- * per-index offsets; see gpuos_div, GPUOS_ROLLED, GPUOS_ILP and gpuos_load_ptr.
+ * the worker the largest register count of any function it may call (docs/DESIGN.md, runtime
+ * protocol 1). Hence no calls inside operators (64-bit division, IEEE division and sqrtf are
+ * calls), rolled loops that batch their loads explicitly, branch-free loads, and pointer walks
+ * instead of per-index offsets; see gpuos_div, GPUOS_ROLLED, GPUOS_ILP and gpuos_load_ptr.
  * Measured (H100, scripts of the helper that wrote this): uncapped, ptxas spreads an operator over
  * 100-200 registers; with NVRTC --maxrregcount=64 every operator fits with at most a few hundred
  * bytes of stack (mostly saved callee-saved registers).

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from .image import image_units
-from .jit import DEFAULT_ARCH, SUPPORTED_ARCHS, JitCache, compile_object, link_image, stats
+from .jit import DEFAULT_ARCH, JitCache, compile_object, link_image, stats, supported_archs
 from .optable import OpVersion, catalogue_table
 
 
@@ -36,7 +36,7 @@ def build(arch: str, cache: JitCache) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--arch", action="append", choices=SUPPORTED_ARCHS,
+    parser.add_argument("--arch", action="append", choices=supported_archs(),
                         help=f"target (repeatable; default {DEFAULT_ARCH})")
     parser.add_argument("--cache-dir", type=Path, help="JIT cache (default ~/.cache/gpuos/jit)")
     args = parser.parse_args(argv)

@@ -3,14 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Protocol
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from .families import Family
-    from .tasklist import TaskList
 
 
 @dataclass(frozen=True)
@@ -34,9 +30,18 @@ class Params:
     reduce_dims: tuple[int, ...] = ()         # sum/mean: reduced dims of in[0]
 
 
-@dataclass
+class Tiling(Protocol):
+    """What a task needs of its operator's family (families.Family): how to cut it into records."""
+
+    def ranges(self, task: "Prepared", tile_elements: int | None) -> list[tuple[int, int]]: ...
+
+
+@dataclass(frozen=True, eq=False)
 class Prepared:
-    """A validated task: tensors laid out as encoded; its version is resolved only at submit."""
+    """A validated task: tensors laid out as encoded; its version is resolved only at submit.
+
+    `Runtime.prepare` returns it complete (records encoded) and nothing writes to it afterwards,
+    records included: a submission resolves operator slots in a copy."""
 
     op: str                                   # logical operator name
     out: torch.Tensor                         # the result as the caller sees it
@@ -44,7 +49,8 @@ class Prepared:
     inputs: tuple[torch.Tensor, ...]          # views encoded as task.in (broadcasts expanded)
     params: Params                            # scalars and reduced dims
     items: int                                # work items (elements or rows) the task covers
-    kind: "Family"                            # its operator's family (cuts the items into records)
+    kind: Tiling                              # its operator's family (cuts the items into records)
     inputs_written: tuple[int, ...] = ()      # inputs the operator also writes in place
-    records: np.ndarray | None = None         # its ABI records (one per tile), op_slot unresolved
-    encoded: Optional["TaskList"] = None      # it alone as a TaskList, made by its first submit
+    # Its ABI records (one per tile), op_slot unresolved; None only inside Runtime.prepare, before
+    # the family has cut the task into tiles.
+    records: np.ndarray | None = None

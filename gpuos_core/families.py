@@ -1,6 +1,6 @@
 """Operator families: how the tasks of one kind of operator are validated, laid out and computed.
 
-A family knows the shapes its kernels accept, the layout the device code expects (DESIGN.md
+A family knows the shapes its kernels accept, the layout the device code expects (docs/DESIGN.md
 "Operators"; cuda/ops/*.cuh state the same contract), how many work items a task has (elements or
 rows, which tiles split), and which CUDA macro instantiates a version of it. Every operator of the
 catalogue belongs to exactly one family.

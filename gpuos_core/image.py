@@ -1,5 +1,5 @@
 """Worker images: the translation unit of each operator version, the generated jump table, and
-the link of worker + operators + table into one cubin (DESIGN.md, runtime protocol 2 and 3).
+the link of worker + operators + table into one cubin (docs/DESIGN.md, runtime protocol 2 and 3).
 
 Only glue is generated here, from data: the instantiation of a family macro with a version's
 symbol, an expression functor, and the jump table. Every kernel body lives in cuda/.

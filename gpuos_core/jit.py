@@ -1,7 +1,7 @@
 """NVRTC JIT: compile CUDA translation units to relocatable cubins, cache them, link images.
 
 Every operator version is compiled on its own with `-rdc=true` and linked into the worker image;
-it is never loaded as a module of its own (DESIGN.md, runtime protocol 2). A `CompileSpec`
+it is never loaded as a module of its own (docs/DESIGN.md, runtime protocol 2). A `CompileSpec`
 describes one artifact (FlashInfer-style); `compile_object` is try-load / build / store over a
 `JitCache`; `link_image` links objects with nvJitLink. NVRTC and nvJitLink need no GPU, so all
 of this runs in CI.
@@ -25,8 +25,10 @@ from cuda.bindings import nvjitlink, nvrtc
 from gpuos_core.errors import CompileError, LinkError
 from gpuos_core.paths import CUDA_DIR, cache_dir
 
-SUPPORTED_ARCHS = ("sm_80", "sm_89", "sm_90")
-DEFAULT_ARCH = "sm_90"
+# The oldest compute capability the device code builds for: bf16 conversions (gpuos_device.cuh)
+# and the linear operator's mma.sync m16n8k16 need sm_80. NVRTC 13 itself goes down to sm_75.
+MIN_ARCH = 80
+DEFAULT_ARCH = "sm_90"  # the target when there is no device to ask (CI, the CPU backend)
 # -rdc=true: objects must link into one image. -default-device: header helpers that carry no
 # execution-space annotation compile for the device (NVRTC has no host side to compile them for).
 # --maxrregcount=64: the linked worker takes the register count of its hungriest operator (it can
@@ -57,10 +59,25 @@ def nvrtc_version() -> tuple[int, int]:
     return major, minor
 
 
+@functools.cache
+def supported_archs() -> tuple[str, ...]:
+    """Every target this process's NVRTC compiles for, from MIN_ARCH up, oldest first."""
+    archs = _check_nvrtc(nvrtc.nvrtcGetSupportedArchs(), None, "querying NVRTC's targets")
+    return tuple(f"sm_{a}" for a in sorted(archs) if a >= MIN_ARCH)
+
+
+def device_arch(major: int, minor: int) -> str | None:
+    """The target for a device of compute capability major.minor: its own, or None when this
+    device code cannot be built for it (older than MIN_ARCH, or newer than NVRTC knows)."""
+    arch = f"sm_{major}{minor}"
+    return arch if arch in supported_archs() else None
+
+
 def _validate_arch(arch: str) -> None:
     """Raise ValueError unless `arch` is one the runtime builds for."""
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported arch {arch!r}: use one of {', '.join(SUPPORTED_ARCHS)}")
+    if arch not in supported_archs():
+        raise ValueError(f"unsupported arch {arch!r}: this NVRTC builds "
+                         f"{', '.join(supported_archs())}")
 
 
 def _update(digest: Any, *parts: bytes) -> None:
@@ -89,7 +106,7 @@ class CompileSpec:
 
     name: str  # unit name shown in logs and NVRTC messages, e.g. "gpuos_op_relu_v1"
     source: str  # the whole translation unit; may #include headers under CUDA_DIR
-    arch: str = DEFAULT_ARCH  # one of SUPPORTED_ARCHS
+    arch: str = DEFAULT_ARCH  # one of supported_archs()
     options: tuple[str, ...] = ()  # extra NVRTC options, placed after the base ones
 
     def __post_init__(self) -> None:

@@ -7,8 +7,9 @@
 
 Operator versions are resolved to physical slots at submit, so tasks already submitted keep the
 version that was active then. A swap compiles and links off the request path, then holds new
-submissions, drains those in flight, loads the new image and releases them (DESIGN.md, protocol 3).
-A rollback whose target is still loaded (dual slot) only flips the host-side alias.
+submissions, drains those in flight, loads the new image and releases them (docs/DESIGN.md,
+runtime protocol 3). A rollback whose target is still loaded (dual slot) only flips the
+host-side alias.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +35,7 @@ from .catalogue import OpSpec, expression_spec, new_version, prepare
 from .errors import BackendUnavailableError, RawCudaDisabledError, RuntimeClosedError
 from .image import ImageBuild, build_image, compile_version
 from .config import RuntimeConfig
-from .jit import JitCache
+from .jit import JitCache, device_arch, supported_archs
 from .optable import Image, OpTable, OpVersion, catalogue_table
 from .program import Program, ProgramBuilder
 from .tasklist import TaskList, encode_batch
@@ -80,9 +82,27 @@ def cuda_unusable_reason() -> str | None:
         if err != driver.CUresult.CUDA_SUCCESS:
             return f"cuInit failed: {err.name}"
         err, count = driver.cuDeviceGetCount()
-        return None if err == driver.CUresult.CUDA_SUCCESS and count > 0 else "no CUDA device"
+        if err != driver.CUresult.CUDA_SUCCESS or count == 0:
+            return "no CUDA device"
+        major, minor = _capability(driver, 0)
     except Exception as exc:  # no driver library at all
         return f"no CUDA driver ({type(exc).__name__}: {exc})"
+    if device_arch(major, minor) is not None:
+        return None
+    reason = (f"device 0 is sm_{major}{minor}, which the device code cannot be built for (it "
+              f"builds {', '.join(supported_archs())})")
+    log.warning("%s: the GPU is not used", reason)  # unlike a machine without one, a surprise
+    return reason
+
+
+def _capability(driver: Any, index: int) -> tuple[int, int]:
+    """(major, minor) compute capability of a device, read from the driver (no context)."""
+    attribute, device = driver.CUdevice_attribute, driver.cuDeviceGet(index)[1]
+    major = driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                                        device)[1]
+    minor = driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                                        device)[1]
+    return major, minor
 
 
 def select_backend(config: RuntimeConfig) -> tuple[Backend, str]:
@@ -152,8 +172,7 @@ class Runtime:
         """Validate one call against its operator, allocate its output and encode its records
         (TensorSpecError, UnknownOperatorError). Costs the caller, not the flush: no device work."""
         task = prepare(self._state.table.current(call.op).spec, call, self.device)
-        task.records = encode_records(task, self._backend.tile_elements)
-        return task
+        return replace(task, records=encode_records(task, self._backend.tile_elements))
 
     def submit(self, tasks: "Sequence[Prepared] | TaskList | Program") -> Batch:
         """Enqueue tasks as one batch, resolving each operator to the physical slot of its current
@@ -192,13 +211,8 @@ class Runtime:
     def encode(self, tasks: Sequence[Prepared]) -> TaskList:
         """Encode tasks for `submit` once, to submit them many times (a benchmark, a replayed
         step). Several tasks are concatenated into memory the backend copies from directly."""
-        if len(tasks) == 1:  # the latency path: reuse the task's own records and its TaskList
-            only = tasks[0]
-            if only.encoded is None:
-                owners = np.zeros(len(only.records), dtype=np.int32)
-                only.encoded = TaskList((only,), only.records, owners, (only.op,), owners[:1],
-                                        owners)
-            return only.encoded
+        if len(tasks) == 1:  # the latency path: no page-locked allocation for one task
+            return TaskList.alone(tasks[0])
         return encode_batch(tasks, self._backend.host_records)
 
     def run(self, op: str, *inputs: torch.Tensor, out: torch.Tensor | None = None,

@@ -17,14 +17,14 @@ say() { echo "setup_env: $*" >&2; }
 # Runs each one because a pyenv shim exists even where its version is not selected.
 pick_python() {
     local py
-    for py in python3 python3.11 python3.12; do
-        if "$py" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] <= (3, 12)))' \
+    for py in python3 python3.11 python3.12 python3.13; do
+        if "$py" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] <= (3, 13)))' \
             >/dev/null 2>&1; then
             echo "$py"
             return 0
         fi
     done
-    say "no Python 3.11 or 3.12 found: install one (e.g. apt-get install python3.11-venv)"
+    say "no Python 3.11 to 3.13 found: install one (e.g. apt-get install python3.11-venv)"
     return 1
 }
 
@@ -46,12 +46,12 @@ install_torch_if_missing() {
 
 install_project_if_changed() {
     local want
-    want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+    want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/constraints.txt" | sha256sum | cut -d' ' -f1)"
     if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
         return 0
     fi
     say "installing gpuos-serve (editable) with extras test,load"
-    "$VENV/bin/python" -m pip install -qq -e "$ROOT[test,load]"
+    "$VENV/bin/python" -m pip install -qq -e "$ROOT[test,load]" -c "$ROOT/scripts/constraints.txt"
     echo "$want" >"$STAMP"
 }
 

@@ -1,4 +1,5 @@
-"""CUDA backend: a leased persistent worker draining a device-memory ring (DESIGN.md, protocol).
+"""CUDA backend: a leased persistent worker draining a device-memory ring (docs/DESIGN.md,
+runtime protocol).
 
 Submission: a batch's records are staged in pinned host memory at their ring positions, copied to
 the device ring with one async copy (two when it wraps), and the new tail is written after them in

@@ -1,4 +1,4 @@
-"""Continuous-batching decode engine (docs: DESIGN.md, Serving → LLM engine).
+"""Continuous-batching decode engine (docs/DESIGN.md, Serving → LLM engine).
 
 One thread runs steps. A step reads as three calls:
 

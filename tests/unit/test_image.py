@@ -7,8 +7,9 @@ import pytest
 from gpuos_core.build import catalogue_slots
 from gpuos_core.catalogue import CATALOGUE, expression_spec, new_version
 from gpuos_core.image import build_image, jump_table_source
-from gpuos_core.jit import SUPPORTED_ARCHS, JitCache
+from gpuos_core.jit import JitCache
 from gpuos_core.optable import OpTable
+from test_jit import ARCHS
 
 ELF_EXECUTABLE = 2  # e_type of a linked cubin (objects are 1, relocatable)
 
@@ -43,7 +44,7 @@ def test_an_image_holds_current_and_previous_of_swapped_operators(cache: JitCach
     assert_linked_image(build_image(slots, "sm_90", cache).binary, [v.symbol for v in slots])
 
 
-@pytest.mark.parametrize("arch", [a for a in SUPPORTED_ARCHS if a != "sm_90"])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "sm_90"])
 def test_other_architectures_link(cache: JitCache, arch: str) -> None:
     slots = [v for v in catalogue_slots() if v.name in {"mul", "softmax", "attention_decode"}]
     assert_linked_image(build_image(slots, arch, cache).binary, [v.symbol for v in slots])

@@ -11,7 +11,8 @@ import pytest
 
 from gpuos_core import jit
 from gpuos_core.errors import CompileError, LinkError
-from gpuos_core.jit import SUPPORTED_ARCHS, CompileSpec, JitCache, compile_object, link_image
+from gpuos_core.jit import (CompileSpec, JitCache, compile_object, device_arch, link_image,
+                            supported_archs)
 
 # Two units that only link together: the kernel calls a device function defined in the other one.
 SQUARE = CompileSpec(
@@ -26,6 +27,8 @@ KERNEL = CompileSpec(
     "}\n",
 )
 ET_REL, ET_EXEC = 1, 2  # ELF e_type of a relocatable object and of a linked executable
+# Targets the tests build for: A100, A10G/RTX 30, L4/RTX 40, H100/H200, B200, RTX 50.
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 
 
 def elf_type_and_sm(blob: bytes) -> tuple[int, int]:
@@ -41,7 +44,7 @@ def cache(tmp_path: Path) -> JitCache:
     return JitCache(tmp_path / "jit")
 
 
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_units_compile_and_link_into_one_executable_cubin(arch: str) -> None:
     square = compile_object(dataclasses.replace(SQUARE, arch=arch))
     kernel = compile_object(dataclasses.replace(KERNEL, arch=arch))
@@ -150,10 +153,17 @@ def test_unresolved_extern_raises_link_error_naming_the_symbol() -> None:
 
 
 def test_unsupported_arch_is_rejected() -> None:
-    with pytest.raises(ValueError, match="sm_80, sm_89, sm_90"):
+    with pytest.raises(ValueError, match="builds sm_80, sm_86"):
         CompileSpec("gpuos_test_square", SQUARE.source, arch="sm_75")
-    with pytest.raises(ValueError, match="sm_80, sm_89, sm_90"):
-        link_image([("square", b"\x7fELF")], arch="sm_100")
+    with pytest.raises(ValueError, match="builds sm_80, sm_86"):
+        link_image([("square", b"\x7fELF")], arch="sm_990")
+
+
+def test_a_device_gets_its_own_arch_when_the_device_code_builds_for_it() -> None:
+    assert set(ARCHS) <= set(supported_archs())
+    assert device_arch(8, 6) == "sm_86" and device_arch(12, 0) == "sm_120"
+    assert device_arch(7, 5) is None, "T4: the device code needs sm_80 (bf16, mma m16n8k16)"
+    assert device_arch(99, 0) is None, "newer than this NVRTC knows"
 
 
 def test_empty_link_inputs_are_rejected() -> None:

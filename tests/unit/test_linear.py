@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -103,8 +104,9 @@ def test_split_k_records_cut_anywhere_and_rerun(rt: Runtime, m: int) -> None:
     assert plan.splits > 1 and task.items == plan.items
     cuts = sorted(random.sample(range(1, task.items), min(5, task.items - 1)))
     ranges = list(zip([0] + cuts, cuts + [task.items]))
-    task.records = np.empty(len(ranges), dtype=TASK)
-    encode_task(task.records, ranges, task.out_ref, task.inputs, task.params.scalars)
+    records = np.empty(len(ranges), dtype=TASK)
+    encode_task(records, ranges, task.out_ref, task.inputs, task.params.scalars)
+    task = replace(task, records=records)
     check(rt, task)
     task.out.fill_(float("nan"))  # a rerun: the last split of each tile reset its counter
     check(rt, task)

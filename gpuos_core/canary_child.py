@@ -1,0 +1,52 @@
+"""The canary's child process (`python -m gpuos_core.canary_child`, started by canary.run_sandboxed):
+rebuild one operator version in a fresh CUDA runtime, run it over the canary's cases against its
+expression, print one JSON report. Its own module so that the runtime, which imports the canary,
+is not imported back by it."""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from .calls import OpCall
+from .canary import DTYPES, TOLERANCE, input_shapes, rel_error
+from .catalogue import OpSpec
+from .config import RuntimeConfig
+from .expr import evaluate
+from .runtime import Runtime
+
+
+def exercise(runtime: Runtime, name: str, spec: OpSpec, scalars: Sequence[float], seed: int
+             ) -> list[dict]:
+    """Run `name` on `runtime` over every case and compare with `spec`'s expression."""
+    gen = torch.Generator().manual_seed(seed)
+    named = {f"s{i}": v for i, v in enumerate(scalars[: spec.expression.num_scalars])}
+    cases = []
+    for shapes in input_shapes(spec.arity):
+        for dtype_name, dtype in DTYPES.items():
+            xs = tuple((torch.randn(s, generator=gen) * 2).to(dtype=dtype, device=runtime.device)
+                       for s in shapes)
+            out = runtime.submit([runtime.prepare(OpCall(name, xs, scalars=named))]).wait(30)
+            ref = evaluate(spec.expression, xs, list(scalars)).to(dtype)
+            err = rel_error(out.result(0), ref)
+            cases.append({"shape": [list(s) for s in shapes], "dtype": dtype_name,
+                          "rel_error": err, "tolerance": TOLERANCE[dtype],
+                          "ok": err <= TOLERANCE[dtype]})
+    return cases
+
+
+def main() -> None:
+    """Child side: rebuild the operator in a fresh CUDA runtime and report on it."""
+    job = json.loads(sys.stdin.read())
+    config = RuntimeConfig(backend="cuda", canary=False, allow_raw_cuda=True)
+    with Runtime(config=config) as runtime:
+        name = f"canary_{job['name']}"[:48]
+        made = runtime.register(name, job["expression"], job["arity"], cuda=job["cuda"])
+        cases = exercise(runtime, name, made.spec, job["scalars"], job["seed"])
+    print(json.dumps({"cases": cases}))
+
+
+if __name__ == "__main__":
+    main()
