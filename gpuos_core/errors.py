@@ -96,3 +96,13 @@ class CanaryCrashError(GpuosError, RuntimeError):
 
 class ProgramError(GpuosError, ValueError):
     """A device program cannot be built as asked (an `after=` that names no earlier task)."""
+
+
+class NonFiniteOutputError(GpuosError, ValueError):
+    """A new operator version yields NaN or infinity where the version it would replace is finite;
+    `cases` says where. The change is refused unless the caller allows non-finite outputs."""
+
+    def __init__(self, message: str, cases: list[dict]) -> None:
+        self.cases = cases
+        super().__init__(message)
+

@@ -9,7 +9,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,21 @@ def start_serve(config: Path, port: int, log: Path,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
     return ServeProcess(url=f"http://127.0.0.1:{port}", log=log, proc=proc)
+
+
+@contextmanager
+def served(base: Path, tmp: Path, args: Mapping[str, object], ready: str = "/healthz"
+           ) -> Iterator[ServeProcess]:
+    """`serve run` of config `base` on a free port with `args` merged into the app's args (config
+    and log written into `tmp`), once GET `ready` answers 200; stopped when the block ends."""
+    port = free_port()
+    config = write_config(base, tmp / base.name, port, args)
+    process = start_serve(config, port, tmp / "serve.log")
+    try:
+        process.wait_until_up(ready)
+        yield process
+    finally:
+        process.stop()
 
 
 def _answers_200(url: str) -> bool:

@@ -6,14 +6,14 @@
     python -m loadtest.run micro --url http://127.0.0.1:8000 --admin-token "$GPUOS_ADMIN_TOKEN"
 
 Without --url it starts the app itself (`serve run` of --config on a free port, a fresh operator
-registry, a random admin token) and stops it afterwards. After --warmup seconds of unrecorded
-load, for each coalescing mode it sets the knob on every replica (PUT /admin/coalescer), runs
-Locust headless and writes into --out: <scenario>-<mode>_stats.csv (and Locust's other CSVs and
-its final JSON), <scenario>-<mode>.json (RPS, p50/p95/p99 and failures, in all and per request
-name, mean coalesced batch size from /v1/stats; for completions also time to first token and
-generated tokens/s), summary.json (all modes, with on/off ratios) and <scenario>.png (latency
-percentiles and RPS over time; needs matplotlib, the `load` extra). Exits 1 when any request
-failed.
+registry, a random admin token) and stops it afterwards; with --url it puts the coalescer's knobs
+back as they were when it ends. After --warmup seconds of unrecorded load, for each coalescing mode
+it sets the knob on every replica (PUT /admin/coalescer), runs Locust headless and writes into
+--out: <scenario>-<mode>_stats.csv (and Locust's other CSVs and its final JSON),
+<scenario>-<mode>.json (RPS, p50/p95/p99 and failures, in all and per request name, mean coalesced
+batch size from /v1/stats; for completions also time to first token and generated tokens/s),
+summary.json (all modes, with on/off ratios) and <scenario>.png (latency percentiles and RPS over
+time; needs matplotlib, the `load` extra). Exits 1 when any request failed.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ import requests
 
 from loadtest.completions import (COMPLETION, MAX_TOKENS, MEASURES, STREAM, STREAM_FRACTION, TTFT,
                                   Generated)
-from loadtest.launch import REPO, free_port, start_serve, write_config
-from loadtest.storm import ensure_registered
+from loadtest.launch import REPO, served
+from loadtest.storm import admin_headers, ensure_registered
 
 SCENARIOS = {  # scenario → Locust user classes
     "micro": ("MicroOpUser",),
@@ -149,18 +149,18 @@ def target_app(args: argparse.Namespace, out: Path) -> Iterator[Target]:
     if args.url:
         if not args.admin_token:
             raise SystemExit("--url needs --admin-token (or $GPUOS_ADMIN_TOKEN) to set the knobs")
-        yield Target(args.url.rstrip("/"), args.admin_token)
-        return
-    token, port = secrets.token_urlsafe(16), free_port()
-    with tempfile.TemporaryDirectory(prefix="gpuos-load-") as state:
-        config = write_config(args.config, out / "serve.yaml", port,
-                              {"backend": args.backend, "state_dir": state, "admin_token": token})
-        app = start_serve(config, port, out / "serve.log")
+        target = Target(args.url.rstrip("/"), args.admin_token)
+        knobs = coalescer_knobs(target)
         try:
-            app.wait_until_up()
-            yield Target(app.url, token)
-        finally:
-            app.stop()
+            yield target
+        finally:  # the app is someone else's: leave its coalescer as it was
+            put_coalescer(target, knobs)
+        return
+    token = secrets.token_urlsafe(16)
+    with tempfile.TemporaryDirectory(prefix="gpuos-load-") as state, served(
+            args.config, out, {"backend": args.backend, "state_dir": state,
+                               "admin_token": token}) as app:
+        yield Target(app.url, token)
 
 
 def run_mode(target: Target, args: argparse.Namespace, mode: str, out: Path) -> RunSummary:
@@ -178,12 +178,26 @@ def run_mode(target: Target, args: argparse.Namespace, mode: str, out: Path) -> 
 
 
 def set_coalescing(target: Target, enabled: bool) -> None:
-    response = requests.put(f"{target.url}/admin/coalescer", json={"enabled": enabled},
-                            headers={"Authorization": f"Bearer {target.admin_token}"}, timeout=60)
+    put_coalescer(target, {"enabled": enabled})
+
+
+def coalescer_knobs(target: Target) -> dict[str, object]:
+    """The coalescer knobs in force (the first replica's: this runner sets all alike)."""
+    response = requests.get(f"{target.url}/admin/replicas",
+                            headers=admin_headers(target.admin_token), timeout=60)
+    response.raise_for_status()
+    return response.json()["replicas"][0]["coalescer"]
+
+
+def put_coalescer(target: Target, knobs: dict[str, object]) -> None:
+    """Set `knobs` on every replica; RuntimeError if one did not take them."""
+    response = requests.put(f"{target.url}/admin/coalescer", json=knobs,
+                            headers=admin_headers(target.admin_token), timeout=60)
     response.raise_for_status()
     body = response.json()
-    if body["unreachable"] or any(r["coalescer"]["enabled"] != enabled for r in body["replicas"]):
-        raise RuntimeError(f"coalescing not set on every replica: {body}")
+    if body["unreachable"] or any(r["coalescer"][k] != v for r in body["replicas"]
+                                  for k, v in knobs.items()):
+        raise RuntimeError(f"coalescer knobs {knobs} not set on every replica: {body}")
 
 
 def total_stats(target: Target) -> dict[str, float]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import ray
 from fastapi import FastAPI
+from prometheus_client.metrics_core import Metric
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
@@ -24,13 +26,15 @@ from .completions import LlmService
 from .config import AppArgs, Backend, CoalescerConfig
 from .errors import RegistryDivergedError
 from .metrics import ReplicaMetrics
-from .registry import RegistryState, RegistryStore, ReplicaRegistry
+from .registry import ChangeNote, RegistryState, RegistryStore, ReplicaRegistry
 from .routes import build_api
-from .schemas import ReadyResponse, ReplicaReport, ReplicaStats
+from .schemas import ChangeResponse, ReadyResponse, ReplicaReport, ReplicaStats, admin_op
+from .watch import SwapWatch
 
 __all__ = ["AppArgs", "Backend", "GpuosIngress", "build_app", "replica_gpus"]
 log = logging.getLogger("gpuos.serving")
 BROADCAST_TIMEOUT_S = 120.0  # a push compiles on every replica (and canary-checks on CUDA)
+T = TypeVar("T")
 
 
 @serve.deployment
@@ -51,6 +55,7 @@ class GpuosIngress:
         self.admin_token = args.resolved_admin_token()
         self.registry = ReplicaRegistry(self.runtime, RegistryStore(args.resolved_state_dir()))
         applied = self.registry.catch_up()  # a broken state file fails the replica's start
+        self.watch = SwapWatch(self.registry, args.watch_s, self.change, self.metrics.auto_rollback)
         self.llm = (LlmService(args.llm, self.runtime, args.resolved_state_dir())
                     if args.llm.enabled else None)
         log.info("replica %s: %s; registry %s at seq %d", self.replica_id,
@@ -100,6 +105,13 @@ class GpuosIngress:
                              versions={n: table.current(n).version for n in sorted(table.names())},
                              diverged=self.registry.diverged, coalescer=self.coalescer.config)
 
+    def local_metrics(self) -> tuple[str, list[Metric]]:
+        """This replica's id and metric families now (GET /metrics merges every replica's)."""
+        if self.llm is not None:
+            stats = self.llm.engine.stats()
+            self.metrics.llm.load(self.llm.model_id, stats["running"], stats["waiting"])
+        return self.replica_id, self.metrics.collect()
+
     def local_stats(self) -> ReplicaStats:
         s = self.coalescer.stats
         llm = {f"llm_{k}": v for k, v in self.llm.engine.stats().items()} if self.llm else {}
@@ -115,6 +127,27 @@ class GpuosIngress:
         reason = self.runtime.broken or self.registry.diverged
         return ReadyResponse(ready=reason is None, replica=self.replica_id,
                              registry_seq=self.registry.applied.seq, reason=reason)
+
+    async def change(self, note: ChangeNote, apply: Callable[[Runtime], T]
+                     ) -> tuple[T, ChangeResponse]:
+        """Make the change `note` describes with `apply` here (compiles off the event loop), store
+        it, push it to every replica. Shielded: a client that hangs up must not stop the push of
+        a change already stored."""
+        return await asyncio.shield(self._change_everywhere(note, apply))
+
+    async def _change_everywhere(self, note: ChangeNote, apply: Callable[[Runtime], T]
+                                 ) -> tuple[T, ChangeResponse]:
+        try:
+            made, state = await asyncio.to_thread(self.registry.change, apply, note)
+        except Exception:
+            self.metrics.changed(note.action, False)
+            raise
+        self.metrics.changed(note.action, True)
+        reports, unreachable = await self.broadcast("apply_registry", state)
+        return made, ChangeResponse(
+            action=note.action, op=admin_op(self.runtime.table, note.op, state.log),
+            version=state.log[-1].version, registry_seq=state.seq, replicas=reports,
+            unreachable=unreachable)
 
     async def broadcast(self, method: str, *args: Any) -> tuple[list[Any], list[str]]:
         """Call `method` on every replica of this deployment: (results, failures as text)."""

@@ -1,8 +1,10 @@
 """OpenAI-compatible text completions on the replica's LLM engine: POST /v1/completions (with
 Server-Sent Events streaming ending in `data: [DONE]`) and GET /v1/models.
 
-Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, so the official client
-raises its usual exceptions (BadRequestError, NotFoundError, ...) with our message.
+Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` (serving/errors.py),
+so the official client raises its usual exceptions (BadRequestError, NotFoundError, ...) with our
+message. A request whose logits turned NaN or infinite ends with NonFiniteLogitsError and tells the
+swap watch, which rolls back an operator swapped just before.
 """
 from __future__ import annotations
 
@@ -16,40 +18,27 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pydantic
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuos_core import Runtime
 from serving.llm import create_tiny_model, load_model, load_tokenizer
-from serving.llm.engine import Delta, Engine, EngineConfig
+from serving.llm.engine import Delta, Engine, EngineConfig, NonFiniteLogitsError
 from serving.llm.sampling import SamplingParams
 
 from .config import LlmArgs
-from .errors import EXPECTED, RETRY_AFTER_S, ServingError, status_of
+from .errors import (EngineFailedError, ModelNotFoundError, UnsupportedParameterError, openai_body,
+                     status_of)
+from .schemas import error_responses
 
 if TYPE_CHECKING:
     from .app import GpuosIngress
 
 log = logging.getLogger("gpuos.serving")
 MAX_PROMPTS = 64  # prompts one request may carry (each becomes a choice)
-
-
-class ModelNotFoundError(ServingError):
-    """The request names a model this deployment does not serve (HTTP 404)."""
-
-
-class EngineFailedError(ServingError):
-    """The engine failed while generating (HTTP 500; the replica keeps serving)."""
-
-
-class UnsupportedParameterError(ServingError, ValueError):
-    """An OpenAI parameter this server does not implement, set to a non-default value (400)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        self.param = param
-        super().__init__(message)
+NONFINITE_PREFIX = f"{NonFiniteLogitsError.__name__}: "  # how the engine's deltas name it
 
 
 # -- the engine of a replica -----------------------------------------------------------------------
@@ -87,13 +76,16 @@ class LlmService:
 
 # -- request and response bodies -------------------------------------------------------------------
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     include_usage: bool = False  # a last chunk with usage (and no choices) before [DONE]
 
 
 class CompletionRequest(BaseModel):
-    """OpenAI's completion parameters; the unsupported ones are accepted only at their defaults."""
+    """OpenAI's completion parameters; the unsupported ones are accepted only at their defaults.
+    Strict, as OpenAI's API is: a boolean is not a number, a number not a string."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -150,23 +142,23 @@ def _prompts(prompt: Any, encode: Any) -> list[list[int]]:
 
 
 # -- routes ----------------------------------------------------------------------------------------
-def completion_routes(replica: "GpuosIngress") -> APIRouter:
-    router = APIRouter(prefix="/v1", tags=["completions"])
+def completion_routes(replica: "GpuosIngress", route_class: type[APIRoute]) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["completions"], route_class=route_class)
 
-    @router.get("/models")
+    @router.get("/models", responses=error_responses(404, openai=True))
     def models() -> dict[str, Any]:
         """The served model (OpenAI's list shape)."""
         llm = _service(replica)
         return {"object": "list", "data": [{"id": llm.model_id, "object": "model",
                                             "created": llm.created, "owned_by": "gpuos-serve"}]}
 
-    @router.post("/completions", response_model=None)
-    async def completions(request: Request) -> Response:
+    @router.post("/completions", response_model=None, responses={
+        200: {"description": "the completion, or Server-Sent Events when `stream` is true",
+              "content": {"application/json": {}, "text/event-stream": {}}},
+        **error_responses(400, 404, 413, 500, 503, openai=True)})
+    async def completions(body: CompletionRequest) -> Response:
         """OpenAI-compatible completions; `stream: true` answers with Server-Sent Events."""
-        try:
-            return await _complete(replica, request)
-        except (*EXPECTED, json.JSONDecodeError) as exc:
-            return openai_error(exc, replica)
+        return await _complete(replica, body)
 
     return router
 
@@ -177,38 +169,70 @@ def _service(replica: "GpuosIngress") -> LlmService:
     return replica.llm
 
 
-async def _complete(replica: "GpuosIngress", request: Request) -> Response:
+async def _complete(replica: "GpuosIngress", body: CompletionRequest) -> Response:
     llm = _service(replica)
-    body = CompletionRequest.model_validate(json.loads(await request.body() or b"null"))
     if body.model != llm.model_id:
         raise ModelNotFoundError(f"model {body.model!r} is not served here; GET /v1/models lists "
                                  f"{llm.model_id!r}")
     body.unsupported()
     params, prompts = body.sampling(), _prompts(body.prompt, llm.tokenizer.encode)
     loop = asyncio.get_running_loop()
+    started = time.perf_counter()
     streams = [llm.engine.submit(p, params, loop) for p in prompts]
-    replica.metrics.completion(len(prompts), body.stream)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": llm.model_id}
+    done = _Reporter(replica, llm.model_id, started)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_sse(replica, head, streams, usage),
+        return StreamingResponse(_sse(head, streams, usage, done),
                                  media_type="text/event-stream")
-    return JSONResponse(await _whole(replica, head, streams))
+    return JSONResponse(await _whole(head, streams, done))
 
 
-async def _whole(replica: "GpuosIngress", head: dict[str, Any], streams: list) -> dict[str, Any]:
+class _Reporter:
+    """What a request's finished choices tell the replica: metrics, and the swap watch about
+    non-finite logits."""
+
+    def __init__(self, replica: "GpuosIngress", model: str, started: float) -> None:
+        self.replica, self.model, self.started = replica, model, started
+
+    def finished(self, stream: Any, last: Delta) -> None:
+        """Record one finished choice: its latencies and tokens, or its error."""
+        if last.error is None:
+            self.replica.metrics.llm.finished(self.model, self.started, stream.token_times,
+                                              time.perf_counter(), last.prompt_tokens,
+                                              last.finish_reason or "stop")
+
+    def failure(self, last: Delta) -> Exception:
+        """The exception a choice's error delta stands for (the engine's text stays in the log:
+        its messages may quote torch)."""
+        assert last.error is not None
+        if last.error.startswith(NONFINITE_PREFIX):
+            reason = last.error.removeprefix(NONFINITE_PREFIX)
+            suspects = self.replica.watch.nonfinite_logits(f"completion logits: {reason}")
+            then = (f"; rolling back {', '.join(suspects)} (swapped just before): retry"
+                    if suspects else "")
+            return NonFiniteLogitsError(f"the model produced NaN or infinite logits "
+                                        f"({reason}){then}")
+        log.error("completion failed in the engine: %s", last.error)
+        kind = last.error.partition(":")[0] if ":" in last.error else "error"
+        return EngineFailedError(f"the engine failed while generating ({kind}); the replica's "
+                                 "log has the details")
+
+
+async def _whole(head: dict[str, Any], streams: list, done: _Reporter) -> dict[str, Any]:
     """The non-streaming answer: every choice's text once all finished."""
     try:
         finals = await asyncio.gather(*(_collect(s) for s in streams))
     finally:
         for s in streams:
             s.cancel()  # no-op when finished; frees the slot when the client went away
+    for stream, (_, last) in zip(streams, finals):
+        done.finished(stream, last)
     for _, last in finals:
         if last.error:
-            raise EngineFailedError(last.error)
+            raise done.failure(last)
     choices = [_choice(i, text, last.finish_reason) for i, (text, last) in enumerate(finals)]
-    replica.metrics.generated(sum(last.completion_tokens for _, last in finals))
     return {**head, "choices": choices, "usage": _usage([last for _, last in finals])}
 
 
@@ -217,25 +241,23 @@ async def _collect(stream: Any) -> tuple[str, Delta]:
     return "".join(d.text for d in parts), parts[-1]
 
 
-async def _sse(replica: "GpuosIngress", head: dict[str, Any], streams: list,
-               include_usage: bool) -> AsyncIterator[str]:
+async def _sse(head: dict[str, Any], streams: list, include_usage: bool, done: _Reporter
+               ) -> AsyncIterator[str]:
     """Chunks of every choice as they come, then usage (if asked), then [DONE]."""
     finals: list[Delta] = []
-    started, first = time.perf_counter(), True
     try:
         async for index, delta in _merged(streams):
-            if first:
-                replica.metrics.first_token(time.perf_counter() - started)
-                first = False
+            if delta.finish_reason is not None:
+                done.finished(streams[index], delta)
             if delta.error:
-                yield _event({"error": _error_fields(EngineFailedError(delta.error), 500)})
+                failure = done.failure(delta)
+                yield _event(openai_body(failure, status_of(failure)))
                 break
             if delta.finish_reason is not None:
                 finals.append(delta)
             yield _event({**head, "choices": [_choice(index, delta.text, delta.finish_reason)]})
         if include_usage and len(finals) == len(streams):
             yield _event({**head, "choices": [], "usage": _usage(finals)})
-        replica.metrics.generated(sum(d.completion_tokens for d in finals))
         yield "data: [DONE]\n\n"
     finally:
         for s in streams:
@@ -276,25 +298,3 @@ def _usage(finals: Iterable[Delta]) -> dict[str, int]:
 
 def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-# -- OpenAI error shape ----------------------------------------------------------------------------
-def openai_error(exc: BaseException, replica: "GpuosIngress") -> JSONResponse:
-    """`exc` as OpenAI's error body: 400 for bad JSON or parameters, 404 unknown model, 503 busy."""
-    status = 400 if isinstance(exc, (json.JSONDecodeError, pydantic.ValidationError)) else (
-        status_of(exc) or 500)
-    replica.metrics.error(type(exc).__name__, status)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {}
-    return JSONResponse({"error": _error_fields(exc, status)}, status_code=status, headers=headers)
-
-
-def _error_fields(exc: BaseException, status: int) -> dict[str, Any]:
-    message, param = str(exc), getattr(exc, "param", None)
-    if isinstance(exc, pydantic.ValidationError):
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        message = f"{param}: {first['msg']}" if param else first["msg"]
-    kind = ("invalid_request_error" if status < 500 else
-            "server_busy" if status == 503 else "server_error")
-    return {"message": message, "type": kind, "param": param,
-            "code": "model_not_found" if isinstance(exc, ModelNotFoundError) else None}

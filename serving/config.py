@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,6 +46,7 @@ class AppArgs(BaseModel):
     max_elements: int = Field(1 << 20, ge=1)  # most tensor elements one /v1/ops request may carry
     allow_raw_cuda: bool = False  # let /admin register and swap operators written as raw CUDA
     num_cpus: float = Field(1.0, ge=0)  # CPUs one replica reserves in Ray's scheduler
+    watch_s: float = Field(600.0, ge=0)  # after a swap, failures this long roll it back (0: off)
     llm: LlmArgs = LlmArgs()  # the model behind /v1/completions
 
     def resolved_admin_token(self) -> str | None:
@@ -63,13 +64,20 @@ class AppArgs(BaseModel):
         return 32 * self.max_elements + (1 << 20)
 
 
+# The coalescer's knobs' ranges, shared by its config and the admin API's partial update.
+MaxBatch = Annotated[int, Field(ge=1, le=4096)]
+WindowUs = Annotated[int, Field(ge=0, le=1_000_000)]
+MaxQueue = Annotated[int, Field(ge=1, le=1 << 20)]
+DeadlineMs = Annotated[int, Field(ge=1, le=3_600_000)]
+
+
 class CoalescerConfig(BaseModel):
     """The coalescer's knobs: the deployment's `user_config`, changed live by `reconfigure`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = True  # False: one runtime submission per request (the comparison baseline)
-    max_batch: int = Field(64, ge=1, le=4096)       # flush as soon as this many tasks wait
-    window_us: int = Field(200, ge=0, le=1_000_000)  # ... or this long after the first of them
-    max_queue: int = Field(1024, ge=1)              # waiting tasks beyond this are refused (503)
-    deadline_ms: int = Field(10_000, ge=1)          # a request not answered by then fails (504)
+    max_batch: MaxBatch = 64         # flush as soon as this many tasks wait
+    window_us: WindowUs = 200        # ... or this long after the first of them
+    max_queue: MaxQueue = 1024       # waiting tasks beyond this are refused (503)
+    deadline_ms: DeadlineMs = 10_000  # a request not answered by then fails (504)

@@ -1,53 +1,39 @@
-"""Errors of the Serve layer and the one place that turns any expected error into an HTTP answer.
+"""Errors of the Serve layer and the one place that turns any error into an HTTP answer.
 
-Statuses are looked up by class name along the exception's MRO, so an error class the runtime adds
-later maps correctly without importing it, and a subclass of a mapped class
-inherits its status. The body is `{"error": class name, "detail": message, ...}` plus the error's
-public fields (ExpressionError's `position`, CompileError's `log`, CanaryMismatchError's `cases`).
+Statuses are declared per class in STATUS, looked up along the exception's MRO (a subclass defined
+elsewhere inherits its base's status, but every error class of this project is listed: a test
+checks it). What the caller got wrong is 4xx; what failed on our side (the runtime, the device, a
+wait, the registry file) is 500 or 503, never 4xx; an exception nobody declared is a bug: 500.
+
+Two body shapes, chosen by route (README, "Errors"):
+- ours, `{"error": class name, "detail": message, ...}` plus the error's public fields
+  (ExpressionError's `position`, CompileError's `log`, the canary's `cases`, a validation's
+  `errors`);
+- OpenAI's, `{"error": {"message", "type", "param", "code"}}`, on /v1/completions and /v1/models,
+  so that OpenAI's clients raise their usual exceptions.
+Floats that are NaN or infinite are written as the strings "NaN", "Infinity", "-Infinity".
 """
 from __future__ import annotations
 
-import json
+import math
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import Any
 
 import pydantic
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
-from gpuos_core import GpuosError
+from gpuos_core import errors as core
+from gpuos_core.backends.cudadrv import CudaError
+from serving.llm.engine import (EngineClosedError, EngineFullError, NonFiniteLogitsError,
+                                PromptTooLongError)
+from serving.llm.model import KVCacheFullError, ModelLoadError
+from serving.llm.sampling import SamplingError
 
-# Status per error class name; the first class of the MRO found here wins.
-STATUS: dict[str, int] = {
-    "AdminAuthError": 401,          # refined per instance (401 missing, 403 wrong or disabled)
-    "RequestTooLargeError": 413,
-    "TensorDataError": 422,
-    "ValidationError": 422,         # pydantic: a value outside its allowed range
-    "UnknownOperatorError": 404,
-    "TensorSpecError": 422,
-    "ExpressionError": 400,
-    "CompileError": 400,
-    "LinkError": 400,
-    "CanaryMismatchError": 422,
-    "CanaryCrashError": 422,
-    "RawCudaDisabledError": 403,
-    "OperatorExistsError": 409,
-    "RollbackError": 409,
-    "QueueFullError": 503,
-    "DeadlineExceededError": 504,
-    "RuntimeClosedError": 503,
-    "StalledWorkerError": 503,
-    "BackendUnavailableError": 503,
-    "RegistryDivergedError": 503,
-    "RegistryError": 500,
-    "TaskFailedError": 500,
-    "ModelNotFoundError": 404,
-    "UnsupportedParameterError": 400,
-    "PromptTooLongError": 400,
-    "SamplingError": 400,
-    "EngineFullError": 503,
-    "EngineClosedError": 503,
-    "EngineFailedError": 500,
-    "GpuosError": 400,  # raised on purpose and says what to fix: the caller's to fix
-}
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
+OPENAI_PATHS = ("/v1/completions", "/v1/models")  # routes answering errors in OpenAI's shape
 
 
 class ServingError(Exception):
@@ -86,41 +72,172 @@ class RegistryDivergedError(ServingError):
     """A replica's operators cannot be brought to the registry's state (restart the replica)."""
 
 
-def status_of(exc: BaseException) -> int | None:
-    """HTTP status for an expected error, or None for anything else (a bug: let it be a 500)."""
+class ModelNotFoundError(ServingError):
+    """The request names a model this deployment does not serve (HTTP 404)."""
+
+
+class EngineFailedError(ServingError):
+    """The engine failed while generating (HTTP 500; the replica keeps serving)."""
+
+
+class UnsupportedParameterError(ServingError, ValueError):
+    """An OpenAI parameter this server does not implement, set to a non-default value (400)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+STATUS: Mapping[type[BaseException], int] = {
+    # the request is wrong: the caller's to fix
+    AdminAuthError: 401,  # refined per instance (401 missing, 403 wrong or disabled)
+    core.RawCudaDisabledError: 403,
+    core.UnknownOperatorError: 404,
+    ModelNotFoundError: 404,
+    core.ExpressionError: 400,
+    core.CompileError: 400,         # the compiler's log says what in the source is wrong
+    core.LinkError: 400,            # raw CUDA calling what does not exist
+    UnsupportedParameterError: 400,
+    PromptTooLongError: 400,
+    SamplingError: 400,
+    core.OperatorExistsError: 409,
+    core.RollbackError: 409,
+    RequestTooLargeError: 413,
+    TensorDataError: 422,
+    core.TensorSpecError: 422,
+    core.CanaryMismatchError: 422,  # the candidate disagrees with its own reference
+    core.CanaryCrashError: 422,     # the candidate faults or hangs: the old version keeps serving
+    core.NonFiniteOutputError: 422,
+    pydantic.ValidationError: 422,  # a value outside its allowed range
+    RequestValidationError: 422,
+    # the server failed: runtime, device, waits, files; retry later (503) or report (500)
+    core.TaskFailedError: 500,
+    core.ProgramError: 500,         # a device program built wrong: our code, not the request
+    NonFiniteLogitsError: 500,
+    CudaError: 500,
+    ModelLoadError: 500,
+    RegistryError: 500,
+    EngineFailedError: 500,
+    core.WaitTimeoutError: 503,
+    core.StalledWorkerError: 503,
+    core.RuntimeClosedError: 503,
+    core.BackendUnavailableError: 503,
+    RegistryDivergedError: 503,
+    QueueFullError: 503,
+    KVCacheFullError: 503,
+    EngineFullError: 503,
+    EngineClosedError: 503,
+    DeadlineExceededError: 504,
+}
+OURS = (core.GpuosError, ServingError, HTTPException, *STATUS)  # raised on purpose: say why
+
+
+def status_of(exc: BaseException) -> int:
+    """HTTP status for `exc`: its class's (or nearest base's) entry in STATUS, else 500."""
     if isinstance(exc, AdminAuthError):
         return exc.status
-    for cls in type(exc).__mro__:
-        if cls.__name__ in STATUS:
-            return STATUS[cls.__name__]
-    return None
+    if isinstance(exc, HTTPException):
+        return exc.status_code
+    return next((STATUS[cls] for cls in type(exc).__mro__ if cls in STATUS), 500)
 
 
-def error_body(exc: BaseException) -> dict[str, object]:
-    """The JSON body describing `exc`: its class, message and public scalar fields."""
-    body: dict[str, object] = {"error": type(exc).__name__, "detail": str(exc)}
-    for key, value in getattr(exc, "__dict__", {}).items():
-        if not key.startswith("_") and key not in body and _jsonable(value):
-            body[key] = value
+def error_body(exc: BaseException, status: int) -> dict[str, Any]:
+    """Our JSON body for `exc`: its class, message and public scalar fields. An exception raised
+    by no code of ours (a bug) names no internals: the replica's log has the traceback."""
+    if not isinstance(exc, OURS):
+        return {"error": "InternalError",
+                "detail": f"unexpected {type(exc).__name__}; the replica's log has the details"}
+    if isinstance(exc, HTTPException):
+        return {"error": _http_name(status), "detail": str(exc.detail)}
+    body: dict[str, Any] = {"error": type(exc).__name__, "detail": message_of(exc)}
+    errors = _validation_errors(exc)
+    if errors:
+        body["errors"] = errors
+    if isinstance(exc, (core.GpuosError, ServingError)):  # their attributes are for callers
+        for key, value in vars(exc).items():
+            if not key.startswith("_") and key not in body and key != "status" and _plain(value):
+                body[key] = finite_json(value)
     return body
 
 
-def error_response(exc: BaseException, status: int) -> JSONResponse:
-    """The HTTP answer for `exc` with `status` (Retry-After on 503, a challenge on 401)."""
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {}
+def openai_body(exc: BaseException, status: int) -> dict[str, Any]:
+    """OpenAI's error body for `exc`."""
+    message, param = message_of(exc), getattr(exc, "param", None)
+    errors = _validation_errors(exc)
+    if errors:
+        param = ".".join(str(p) for p in errors[0]["loc"]) or None
+    if not isinstance(exc, OURS):
+        message = error_body(exc, status)["detail"]
+    kind = ("invalid_request_error" if status < 500 else
+            "server_busy" if status == 503 else "server_error")
+    code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(exc: BaseException, path: str) -> JSONResponse:
+    """The HTTP answer for `exc` on a request for `path`: its status, the route's body shape,
+    Retry-After on 503, a challenge on 401, Allow on 405."""
+    status = status_of(exc)
+    if path.rstrip("/").endswith(OPENAI_PATHS):
+        if isinstance(exc, (RequestValidationError, pydantic.ValidationError)):
+            status = 400  # OpenAI answers every malformed request with 400
+        body = openai_body(exc, status)
+    else:
+        body = error_body(exc, status)
+    headers = dict(getattr(exc, "headers", None) or {})
+    if status == 503:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(error_body(exc), status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-# The classes the app's handlers answer; anything else is a bug and stays a 500.
-EXPECTED = (GpuosError, ServingError, pydantic.ValidationError)
+def message_of(exc: BaseException) -> str:
+    """One line a person can act on; validation errors name the first bad field."""
+    errors = _validation_errors(exc)
+    if errors:
+        first = errors[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return f"{where}: {first['msg']}" if where else first["msg"]
+    return str(exc)
 
 
-def _jsonable(value: object) -> bool:
+def finite_json(value: Any) -> Any:
+    """`value` with every NaN or infinite float written as "NaN", "Infinity" or "-Infinity"
+    (JSON has no such numbers; a plain encoder writes null for all three)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def _validation_errors(exc: BaseException) -> list[dict[str, Any]]:
+    """pydantic's or FastAPI's validation errors as [{"loc", "msg", "type"}], body prefix cut."""
+    if not isinstance(exc, (RequestValidationError, pydantic.ValidationError)):
+        return []
+    found = []
+    for error in exc.errors():
+        loc, msg = list(error.get("loc", ())), error["msg"]
+        if error["type"] == "json_invalid":  # FastAPI's loc holds a meaningless offset there
+            loc, msg = [], error.get("ctx", {}).get("error", msg)
+        found.append({"loc": loc[1:] if loc[:1] == ["body"] else loc, "msg": msg,
+                      "type": error["type"]})
+    return found
+
+
+def _http_name(status: int) -> str:
+    """'NotFound' for 404, 'MethodNotAllowed' for 405: routing errors have no class of ours."""
+    return HTTPStatus(status).phrase.title().replace(" ", "").replace("-", "")
+
+
+def _plain(value: object) -> bool:
     """Plain JSON data (a position, a compiler log, a canary's cases), not objects."""
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        return False
-    return True
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, dict) and all(isinstance(k, str) and _plain(v)
+                                           for k, v in value.items())

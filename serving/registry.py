@@ -17,9 +17,10 @@ import fcntl
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -30,6 +31,9 @@ from gpuos_core.optable import OpTable, OpVersion
 from .errors import RegistryDivergedError, RegistryError
 
 STATE_FILE = "registry.json"
+LOG_LIMIT = 1000  # change records kept in the state file (the oldest are dropped)
+Action = Literal["register", "swap", "rollback"]
+T = TypeVar("T")
 
 
 class VersionRecord(BaseModel):
@@ -52,14 +56,35 @@ class OperatorRecord(BaseModel):
     active: tuple[int, ...]
 
 
+class ChangeNote(BaseModel):
+    """Who asks for a change of which operator, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    op: str
+    action: Action
+    by: Literal["admin", "watch"] = "admin"  # watch: the replica rolled a failing swap back
+    reason: str | None = None
+
+
+class ChangeRecord(ChangeNote):
+    """A change as the registry's log keeps it."""
+
+    seq: int          # the registry state it made
+    version: int      # the operator's active version after it
+    at: float         # Unix time
+
+
 class RegistryState(BaseModel):
-    """The registry file: a sequence number (one per change) and the changed operators."""
+    """The registry file: a sequence number (one per change), the changed operators and the log of
+    changes (newest last)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     format: Literal[1] = 1
     seq: int = 0
     ops: dict[str, OperatorRecord] = {}
+    log: tuple[ChangeRecord, ...] = ()
 
 
 def version_record(v: OpVersion) -> VersionRecord:
@@ -74,10 +99,11 @@ def op_record(table: OpTable, name: str) -> OperatorRecord:
     return OperatorRecord(versions=versions, active=tuple(v.version for v in table.active[name]))
 
 
-def snapshot(table: OpTable, seq: int) -> RegistryState:
-    """The state `table` is in, numbered `seq`: every operator not as the catalogue ships it."""
+def snapshot(table: OpTable, seq: int, log: tuple[ChangeRecord, ...] = ()) -> RegistryState:
+    """The state `table` is in, numbered `seq`: every operator not as the catalogue ships it, and
+    the last LOG_LIMIT records of `log`."""
     ops = {n: op_record(table, n) for n in table.names() if _changed(table, n)}
-    return RegistryState(seq=seq, ops=ops)
+    return RegistryState(seq=seq, ops=ops, log=log[-LOG_LIMIT:])
 
 
 def apply_state(runtime: Runtime, state: RegistryState) -> None:
@@ -204,14 +230,18 @@ class ReplicaRegistry:
         with self._lock:
             return self._apply(state)
 
-    def change(self, action: Callable[[Runtime], OpVersion]) -> tuple[OpVersion, RegistryState]:
-        """Run `action` (a register, swap or rollback) on the runtime at the registry's latest
-        state and store the result. If `action` raises, nothing changes anywhere."""
+    def change(self, action: Callable[[Runtime], T], note: ChangeNote) -> tuple[T, RegistryState]:
+        """Run `action` (the register, swap or rollback `note` describes) on the runtime at the
+        registry's latest state and store the result with its record in the log. If `action`
+        raises, nothing changes anywhere."""
         with self.store.locked(), self._lock:
             stored = self.store.load()
             self._apply(stored)
             made = action(self.runtime)
-            state = snapshot(self.runtime.table, max(self.applied.seq, stored.seq) + 1)
+            seq = max(self.applied.seq, stored.seq) + 1
+            record = ChangeRecord(**note.model_dump(), seq=seq, at=time.time(),
+                                  version=self.runtime.table.current(note.op).version)
+            state = snapshot(self.runtime.table, seq, (*self.applied.log, record))
             try:
                 self.store.save(state)
             except RegistryError as exc:  # the runtime is ahead of the file now

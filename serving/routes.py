@@ -1,39 +1,53 @@
 """The HTTP API of one replica, built per replica around its runtime, coalescer and registry.
 
 Inference: GET /v1/ops, POST /v1/ops/{op}, GET /v1/stats; OpenAI-compatible POST /v1/completions
-and GET /v1/models (serving/completions.py). Health: /healthz, /readyz. Admin (bearer
-token): /admin/ops (list, register), /admin/ops/{name} (one), .../swap, .../rollback,
-/admin/replicas, /admin/coalescer. OpenAPI docs at /docs. Every expected error is answered by
-`errors.error_response` (4xx with a message; never a 500 for bad input).
+and GET /v1/models (serving/completions.py). Health and metrics: /healthz, /readyz, /metrics.
+Admin (bearer token): /admin/ops (list, register), /admin/ops/{name} (one), .../swap,
+.../rollback, /admin/replicas, /admin/coalescer. OpenAPI docs at /docs; every route's OpenAPI
+lists the statuses it answers with.
+
+Bad input of any kind gets a 4xx in one shape (serving/errors.py): bodies are limited while they
+stream in, JSON is parsed by pydantic's parser (strict UTF-8, nesting at most 200 deep, about
+3 ms a MB) in a worker thread when large, and every exception goes through `error_response`.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+import json
+import secrets
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
+import pydantic
+import pydantic_core
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
-from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+from starlette.routing import compile_path
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gpuos_core import Runtime
-from gpuos_core.optable import OpVersion
+from gpuos_core import GpuosError, Runtime, TaskFailedError
+from gpuos_core.canary import Comparison, compare_with_current
+from gpuos_core.catalogue import new_version
 
 from .completions import completion_routes
 from .config import ADMIN_TOKEN_ENV, CoalescerConfig
-from .errors import EXPECTED, AdminAuthError, RequestTooLargeError, error_response, status_of
+from .errors import AdminAuthError, RequestTooLargeError, ServingError, error_response
+from .metrics import CONTENT_TYPE, exposition
+from .registry import ChangeNote
 from .schemas import (AdminOp, ChangeResponse, CoalescerUpdate, HealthResponse, OpRequest,
                       OpResponse, OpsResponse, ReadyResponse, RegisterRequest, ReplicasResponse,
-                      StatsResponse, SwapRequest, admin_op, from_tensor, op_infos, stats_total,
-                      to_call)
+                      StatsResponse, SwapRequest, admin_op, canary_report, check_output_size,
+                      error_responses, from_tensor, op_infos, stats_total, to_call)
 
 if TYPE_CHECKING:
     from .app import GpuosIngress
 
-Action = Literal["register", "swap", "rollback"]
+INLINE_JSON_BYTES = 1 << 16  # smaller bodies are parsed on the event loop (a thread costs more)
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
 
 def build_api(replica: "GpuosIngress") -> FastAPI:
@@ -45,40 +59,84 @@ def build_api(replica: "GpuosIngress") -> FastAPI:
     api.include_router(_health_routes(replica))
     api.include_router(_inference_routes(replica))
     api.include_router(_admin_routes(replica))
-    api.include_router(completion_routes(replica))
+    api.include_router(completion_routes(replica, JsonRoute))
     return api
 
 
 def _install_errors(api: FastAPI, replica: "GpuosIngress") -> None:
-    async def expected(_: Request, exc: Exception) -> Response:
-        status = status_of(exc) or 500
-        replica.metrics.error(type(exc).__name__, status)
-        return error_response(exc, status)
+    async def answer(request: Request, exc: Exception) -> Response:
+        response = error_response(exc, request.url.path)
+        if response.status_code == 405:  # Starlette's Allow names the first route's methods only
+            response.headers["Allow"] = ", ".join(_methods(api, request.url.path))
+        replica.metrics.error(type(exc).__name__, response.status_code)
+        return response
 
-    async def invalid(request: Request, exc: Exception) -> Response:
-        replica.metrics.error("RequestValidationError", 422)
-        assert isinstance(exc, RequestValidationError)
-        return await request_validation_exception_handler(request, exc)
-
-    for cls in EXPECTED:
-        api.add_exception_handler(cls, expected)
-    api.add_exception_handler(RequestValidationError, invalid)
+    # Raised on purpose: answered here. Anything else is a bug: Starlette's outermost middleware
+    # calls the Exception handler (so the client gets the same shape), then logs the traceback.
+    for cls in (GpuosError, ServingError, pydantic.ValidationError, RequestValidationError,
+                HTTPException, Exception):
+        api.add_exception_handler(cls, answer)
 
 
+def _methods(api: FastAPI, path: str) -> list[str]:
+    """Every method the app's OpenAPI lists for `path`."""
+    return sorted(method.upper() for template, operations in api.openapi()["paths"].items()
+                  if compile_path(template)[0].match(path) for method in operations)
+
+
+# -- request bodies ----------------------------------------------------------------------------
 class BodyLimit:
-    """ASGI middleware: a request whose Content-Length exceeds `limit` gets 413 before its body
-    is read or parsed (the element limit is checked after parsing, against `max_elements`)."""
+    """ASGI middleware: reads the request body as it streams in (chunked or not) and answers 413
+    as soon as it passes `limit` bytes, or at once for a Content-Length over it; the app then
+    reads the body from memory. Memory per request stays under `limit`, and nothing is parsed."""
 
     def __init__(self, app: ASGIApp, limit: int, on_reject: Callable[[], None]) -> None:
         self.app, self.limit, self.on_reject = app, limit, on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _content_length(scope) > self.limit:
-            self.on_reject()
-            exc = RequestTooLargeError(f"request body over {self.limit} bytes; split the request")
-            await error_response(exc, 413)(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        try:
+            body = await _read_body(receive, self.limit, _content_length(scope))
+        except RequestTooLargeError as exc:
+            self.on_reject()
+            await error_response(exc, scope["path"])(scope, receive, send)
+            return
+        if body is not None:  # None: the client went away
+            await self.app(scope, _replay(body, receive), send)
+
+
+async def _read_body(receive: Receive, limit: int, declared: int) -> bytes | None:
+    """The whole body, or None if the client disconnected; RequestTooLargeError as soon as the
+    Content-Length (`declared`) or the bytes received pass `limit`."""
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while True:
+        if max(size, declared) > limit:
+            raise RequestTooLargeError(f"request body over {limit} bytes; split the request")
+        if not more:
+            return b"".join(chunks)
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        more = message.get("more_body", False)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands out `body` once, then waits on the real one (disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 def _content_length(scope: Scope) -> int:
@@ -88,8 +146,37 @@ def _content_length(scope: Scope) -> int:
     return 0
 
 
+class _JsonRequest(Request):
+    """A request whose JSON body is parsed by pydantic's parser: about 3x faster than json's, it
+    refuses invalid UTF-8 and nesting over 200 levels (json's recursion error was a 500), and a
+    large body is parsed in a worker thread."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            raw = await self.body()
+            try:
+                self._json = (pydantic_core.from_json(raw) if len(raw) < INLINE_JSON_BYTES
+                              else await asyncio.to_thread(pydantic_core.from_json, raw))
+            except ValueError as exc:  # FastAPI answers JSONDecodeError with a validation error
+                raise json.JSONDecodeError(f"invalid JSON: {exc}", "", 0) from None
+        return self._json
+
+
+class JsonRoute(APIRoute):
+    """Every route of this app: request bodies parsed as `_JsonRequest` does."""
+
+    def get_route_handler(self) -> Handler:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(_JsonRequest(request.scope, request.receive))
+
+        return route
+
+
+# -- routes ------------------------------------------------------------------------------------
 def _health_routes(replica: "GpuosIngress") -> APIRouter:
-    router = APIRouter(tags=["health"])
+    router = APIRouter(tags=["health"], route_class=JsonRoute)
 
     @router.get("/healthz")
     def healthz() -> HealthResponse:
@@ -102,11 +189,18 @@ def _health_routes(replica: "GpuosIngress") -> APIRouter:
         ready = replica.readiness()
         return JSONResponse(ready.model_dump(), status_code=200 if ready.ready else 503)
 
+    @router.get("/metrics", response_class=Response,
+                responses={200: {"content": {"text/plain": {}}, "description": "metrics"}})
+    async def metrics() -> Response:
+        """Every replica's metrics in Prometheus' text format, labelled by replica."""
+        replicas, _ = await replica.broadcast("local_metrics")
+        return Response(exposition(replicas), media_type=CONTENT_TYPE)
+
     return router
 
 
 def _inference_routes(replica: "GpuosIngress") -> APIRouter:
-    router = APIRouter(prefix="/v1", tags=["inference"])
+    router = APIRouter(prefix="/v1", tags=["inference"], route_class=JsonRoute)
 
     @router.get("/ops")
     def list_ops() -> OpsResponse:
@@ -114,16 +208,27 @@ def _inference_routes(replica: "GpuosIngress") -> APIRouter:
         runtime = replica.runtime
         return OpsResponse(backend=runtime.backend_name, ops=op_infos(runtime.table))
 
-    @router.post("/ops/{op}")
-    async def run_op(op: str, body: OpRequest) -> OpResponse:
+    @router.post("/ops/{op}", response_model=None, responses={
+        200: {"model": OpResponse, "description": "the result"},
+        **error_responses(404, 413, 422, 500, 503, 504)})
+    async def run_op(op: str, body: OpRequest) -> Response:
         """Run `op` on the given tensors, coalesced with concurrent requests into one submission.
-        404 unknown op, 413 too many elements, 422 inputs that do not fit, 503 queue full (retry
-        after Retry-After), 504 deadline passed."""
-        replica.runtime.table.current(op)  # 404 before parsing tensors for an unknown op
+        404 unknown op, 413 too many elements (inputs or result), 422 inputs that do not fit,
+        500 the task failed, 503 queue full (retry after Retry-After), 504 deadline passed."""
+        spec = replica.runtime.table.current(op).spec  # 404 before building tensors
         call = to_call(op, body, replica.args.max_elements, replica.runtime.device)
-        done = await replica.coalescer.submit(call)
-        return OpResponse(op=op, version=done.version, output=from_tensor(done.out),
-                          replica=replica.replica_id)
+        check_output_size(spec, call, replica.args.max_elements)
+        try:
+            done = await replica.coalescer.submit(call)
+        except TaskFailedError as exc:
+            replica.watch.failed(op, replica.runtime.table.current(op).version, str(exc))
+            raise
+        replica.watch.check_result(call, done.version, done.out)
+        answer = OpResponse.model_construct(op=op, version=done.version,
+                                            output=from_tensor(done.out),
+                                            replica=replica.replica_id)
+        # Serialized once here: FastAPI would validate and convert the result twice more.
+        return Response(answer.model_dump_json(), media_type="application/json")
 
     @router.get("/stats")
     async def stats() -> StatsResponse:
@@ -138,39 +243,49 @@ def _admin_routes(replica: "GpuosIngress") -> APIRouter:
     def authorize(authorization: str | None = Header(None)) -> None:
         _check_token(replica.admin_token, authorization)
 
-    router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(authorize)])
+    router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(authorize)],
+                       route_class=JsonRoute, responses=error_responses(401, 403, 422))
+    changes = error_responses(400, 404, 409, 413, 500, 503)
 
     @router.get("/ops")
     def list_ops() -> list[AdminOp]:
-        """Every operator with its version history and activation stack."""
+        """Every operator with its version history, activation stack and change log."""
         table = replica.runtime.table
-        return [admin_op(table, name) for name in sorted(table.names())]
+        log = replica.registry.applied.log
+        return [admin_op(table, name, log) for name in sorted(table.names())]
 
-    @router.get("/ops/{name}")
+    @router.get("/ops/{name}", responses=error_responses(404))
     def get_op(name: str) -> AdminOp:
         replica.runtime.table.current(name)  # 404 for unknown names
-        return admin_op(replica.runtime.table, name)
+        return admin_op(replica.runtime.table, name, replica.registry.applied.log)
 
-    @router.post("/ops", status_code=201)
+    @router.post("/ops", status_code=201, responses=changes)
     async def register(body: RegisterRequest) -> ChangeResponse:
         """Add an elementwise operator (version 1); 400 with the position for a bad expression,
         409 if the name exists, 403 for raw CUDA unless the app allows it."""
-        return await _change(replica, "register", body.name,
-                             lambda rt: rt.register(body.name, body.expression, body.arity,
-                                                    cuda=body.cuda))
+        _, done = await replica.change(
+            ChangeNote(op=body.name, action="register"),
+            lambda rt: rt.register(body.name, body.expression, body.arity, cuda=body.cuda))
+        return done
 
-    @router.post("/ops/{name}/swap")
+    @router.post("/ops/{name}/swap", responses=changes)
     async def swap(name: str, body: SwapRequest) -> ChangeResponse:
-        """Compile (and canary-check) a new version, then make it current on every replica. On
-        any failure the old version keeps serving: 400 with the position or compiler log, 422
-        with a canary's mismatch."""
-        return await _change(replica, "swap", name,
-                             lambda rt: rt.swap(name, body.expression, cuda=body.cuda))
+        """Compile a new version, run it beside the current one on the canary inputs (and, on a
+        GPU, against its reference in a sandbox), then make it current on every replica; the
+        answer reports its largest deviation. On any failure the old version keeps serving: 400
+        with the position or compiler log, 422 with the canary's cases (a mismatch, or NaN or
+        infinity where the current version is finite, unless allow_nonfinite). For `watch_s`
+        seconds after, failing requests roll it back by themselves."""
+        comparison, done = await replica.change(ChangeNote(op=name, action="swap"),
+                                                lambda rt: _checked_swap(rt, name, body))
+        return done.model_copy(update={"canary": canary_report(comparison)})
 
-    @router.post("/ops/{name}/rollback")
+    @router.post("/ops/{name}/rollback", responses=changes)
     async def rollback(name: str) -> ChangeResponse:
         """Make the version active before the last change current again on every replica."""
-        return await _change(replica, "rollback", name, lambda rt: rt.rollback(name))
+        _, done = await replica.change(ChangeNote(op=name, action="rollback"),
+                                       lambda rt: rt.rollback(name))
+        return done
 
     @router.get("/replicas")
     async def replicas() -> ReplicasResponse:
@@ -178,7 +293,7 @@ def _admin_routes(replica: "GpuosIngress") -> APIRouter:
         reports, unreachable = await replica.broadcast("report")
         return ReplicasResponse(replicas=reports, unreachable=unreachable)
 
-    @router.put("/coalescer")
+    @router.put("/coalescer", responses=error_responses(413))
     async def coalescer(body: CoalescerUpdate) -> ReplicasResponse:
         """Set coalescer knobs on every running replica: this replica's knobs updated with the
         given ones (422 if out of range), until a redeploy applies the config's user_config."""
@@ -188,6 +303,16 @@ def _admin_routes(replica: "GpuosIngress") -> APIRouter:
         return ReplicasResponse(replicas=reports, unreachable=unreachable)
 
     return router
+
+
+def _checked_swap(runtime: Runtime, name: str, body: SwapRequest) -> Comparison:
+    """Compare the new version with the current one (NonFiniteOutputError unless allowed), then
+    swap it in (compile, sandboxed canary on a GPU, activate)."""
+    current = runtime.table.current(name).spec
+    comparison = compare_with_current(current, new_version(current, body.expression, body.cuda),
+                                      secrets.randbits(31), body.allow_nonfinite)
+    runtime.swap(name, body.expression, cuda=body.cuda)
+    return comparison
 
 
 def _check_token(expected: str | None, authorization: str | None) -> None:
@@ -200,24 +325,3 @@ def _check_token(expected: str | None, authorization: str | None) -> None:
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
                                                               expected.encode()):
         raise AdminAuthError("wrong admin token", 403)
-
-
-async def _change(replica: "GpuosIngress", action: Action, name: str,
-                  apply: Callable[[Runtime], OpVersion]) -> ChangeResponse:
-    """Make the change here (compile off the event loop), store it, push it to every replica.
-    Shielded: a client that hangs up must not stop the push of a change already stored."""
-    return await asyncio.shield(_change_everywhere(replica, action, name, apply))
-
-
-async def _change_everywhere(replica: "GpuosIngress", action: Action, name: str,
-                             apply: Callable[[Runtime], OpVersion]) -> ChangeResponse:
-    try:
-        made, state = await asyncio.to_thread(replica.registry.change, apply)
-    except Exception:
-        replica.metrics.changed(action, False)
-        raise
-    replica.metrics.changed(action, True)
-    reports, unreachable = await replica.broadcast("apply_registry", state)
-    return ChangeResponse(action=action, op=admin_op(replica.runtime.table, name),
-                          version=made.version, registry_seq=state.seq, replicas=reports,
-                          unreachable=unreachable)

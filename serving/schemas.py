@@ -1,37 +1,55 @@
 """HTTP request and response bodies (pydantic; they make the OpenAPI docs at /docs) and the
-conversion between JSON tensors and torch tensors."""
+conversion between JSON tensors and torch tensors.
+
+JSON has no NaN or infinity: tensors write them as the strings "NaN", "Infinity" and "-Infinity",
+in answers and in requests (which also take the bare literals NaN and Infinity some encoders
+write); null is refused, as it could mean any of them or a missing value.
+"""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from http import HTTPStatus
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuos_core import OpCall
+from gpuos_core.canary import Comparison
+from gpuos_core.catalogue import OpSpec
 from gpuos_core.optable import OpTable
 
-from .config import CoalescerConfig
-from .errors import RequestTooLargeError, TensorDataError
-from .registry import VersionRecord, version_record
+from .config import CoalescerConfig, DeadlineMs, MaxBatch, MaxQueue, WindowUs
+from .errors import RequestTooLargeError, TensorDataError, finite_json
+from .registry import Action, ChangeRecord, VersionRecord, version_record
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES: Mapping[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+NonFinite = Literal["NaN", "Infinity", "-Infinity"]
+NONFINITE: Mapping[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+MAX_DIMS = 8  # more than any operator takes (the runtime says which)
+Dim = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request body: unknown keys refused, and no coercion (a boolean is not a number, a
+    string not a boolean), so what the OpenAPI schema refuses the server refuses too."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # -- inference ---------------------------------------------------------------------------------
 class TensorIn(_Strict):
     """A tensor in JSON: nested lists (row-major), or a flat list with its shape."""
 
-    data: list[Any] = Field(description="nested lists of numbers, or a flat list with `shape`")
-    shape: list[int] | None = Field(None, description="required for a flat list of a >1-D tensor")
+    data: list[Any] = Field(description='nested lists of numbers, or a flat list with `shape`; '
+                                        '"NaN", "Infinity", "-Infinity" for non-finite values')
+    shape: list[Dim] | None = Field(None, max_length=MAX_DIMS,
+                                    description="required for a flat list of a >1-D tensor")
     dtype: Dtype = "float32"
 
 
@@ -48,7 +66,8 @@ class OpRequest(_Strict):
 class TensorOut(BaseModel):
     """A result tensor: its elements in row-major order, shape and dtype."""
 
-    data: list[float]
+    data: list[float | NonFinite] = Field(description='row-major; non-finite values as "NaN", '
+                                                      '"Infinity", "-Infinity"')
     shape: list[int]
     dtype: Dtype
 
@@ -171,16 +190,18 @@ class RegisterRequest(_Strict):
 class SwapRequest(_Strict):
     expression: str = Field(description="the new version's expression (same inputs)")
     cuda: str | None = Field(None, description="raw CUDA functor body (needs allow_raw_cuda)")
+    allow_nonfinite: bool = Field(False, description="accept a version that is NaN or infinite "
+                                                     "where the current one is finite")
 
 
 class CoalescerUpdate(_Strict):
     """Knobs to change on every replica; omitted ones keep their value."""
 
     enabled: bool | None = None
-    max_batch: int | None = None
-    window_us: int | None = None
-    max_queue: int | None = None
-    deadline_ms: int | None = None
+    max_batch: MaxBatch | None = None
+    window_us: WindowUs | None = None
+    max_queue: MaxQueue | None = None
+    deadline_ms: DeadlineMs | None = None
 
 
 class AdminOp(BaseModel):
@@ -192,6 +213,8 @@ class AdminOp(BaseModel):
     previous: int | None
     active: list[int] = Field(description="activation stack, oldest first; rollback pops")
     history: list[VersionRecord]
+    changes: list[ChangeRecord] = Field(description="its registers, swaps and rollbacks, oldest "
+                                                    "first: who made each and why")
 
 
 class ReplicaReport(BaseModel):
@@ -211,27 +234,74 @@ class ReplicasResponse(BaseModel):
     unreachable: list[str]
 
 
+class CanaryReport(BaseModel):
+    """A swap's new version beside the one it replaced, on the canary inputs (all dtypes)."""
+
+    max_abs_deviation: float = Field(description="largest |new - current| where both are finite")
+    nonfinite: int = Field(description="elements NaN or infinite in the new version, finite in "
+                                       "the current (only with allow_nonfinite)")
+    cases: int = Field(description="input cases times dtypes compared")
+
+
 class ChangeResponse(BaseModel):
     """The outcome of a register, swap or rollback."""
 
-    action: Literal["register", "swap", "rollback"]
+    action: Action
     op: AdminOp
     version: int = Field(description="the version now active")
     registry_seq: int
     replicas: list[ReplicaReport]
     unreachable: list[str] = Field(description="replicas that did not confirm (they catch up on "
                                                "their next health check)")
+    canary: CanaryReport | None = Field(None, description="swaps: the new version beside the "
+                                                          "current one")
 
 
-def admin_op(table: OpTable, name: str) -> AdminOp:
-    """`name`'s history and activation stack as `table` has it."""
+def canary_report(comparison: Comparison) -> CanaryReport:
+    return CanaryReport(max_abs_deviation=comparison.max_abs_deviation,
+                        nonfinite=comparison.nonfinite, cases=len(comparison.cases))
+
+
+def admin_op(table: OpTable, name: str, log: tuple[ChangeRecord, ...] = ()) -> AdminOp:
+    """`name`'s history and activation stack as `table` has it, and its records in `log`."""
     history = table.history[name]
     previous = table.previous(name)
     return AdminOp(name=name, family=history[0].spec.family,
                    current=table.current(name).version,
                    previous=previous.version if previous else None,
                    active=[v.version for v in table.active[name]],
-                   history=[version_record(v) for v in history])
+                   history=[version_record(v) for v in history],
+                   changes=[r for r in log if r.op == name])
+
+
+# -- errors ------------------------------------------------------------------------------------
+class ErrorBody(BaseModel):
+    """Every error of these routes: the error's class, a message, and its public fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    error: str = Field(description="the error's class, e.g. TensorDataError")
+    detail: str = Field(description="what was wrong and what to do about it")
+
+
+class OpenAIErrorFields(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, server_busy or server_error")
+    param: str | None
+    code: str | None
+
+
+class OpenAIErrorBody(BaseModel):
+    """Errors of the OpenAI-compatible routes, in OpenAI's shape."""
+
+    error: OpenAIErrorFields
+
+
+def error_responses(*statuses: int, openai: bool = False) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the error statuses a route answers with, in its body shape."""
+    model = OpenAIErrorBody if openai else ErrorBody
+    return {status: {"model": model, "description": HTTPStatus(status).phrase}
+            for status in statuses}
 
 
 # -- tensors -----------------------------------------------------------------------------------
@@ -252,21 +322,53 @@ def to_call(op: str, request: OpRequest, max_elements: int, device: torch.device
                   out_dtype=DTYPES[request.out_dtype] if request.out_dtype else None)
 
 
+def check_output_size(spec: OpSpec, call: OpCall, max_elements: int) -> None:
+    """RequestTooLargeError when `call`'s result would have more than `max_elements` elements
+    (broadcasting [n, 1] with [1, n], or a linear layer, multiplies small inputs)."""
+    try:
+        shape = spec.kind.layout(call.inputs, call.dims, call.keepdim).out_shape
+    except Exception:  # a call that does not fit: runtime.prepare says why, with the right class
+        return
+    if math.prod(shape) > max_elements:
+        raise RequestTooLargeError(f"the result would have shape {list(shape)}, more than "
+                                   f"{max_elements} elements; split the request")
+
+
 def to_tensor(spec: TensorIn, what: str, device: torch.device) -> torch.Tensor:
     """A tensor on `device` from its JSON form; TensorDataError says what does not fit. The copy
     to a GPU runs on this thread's torch stream, which the runtime orders its batch after."""
-    try:
-        array = np.asarray(spec.data, dtype=np.float32)
-    except (ValueError, TypeError) as exc:
-        raise TensorDataError(f"{what}: data must be numbers in evenly nested lists "
-                              f"({exc})") from None
+    array = _array(spec.data, what)
     if spec.shape is not None and list(array.shape) != spec.shape:
         array = _reshaped(array, spec.shape, what)
     return torch.from_numpy(array).to(device=device, dtype=DTYPES[spec.dtype])
 
 
+def _array(data: list[Any], what: str) -> np.ndarray:
+    """float32 array of numbers in evenly nested lists, strings standing for non-finite values."""
+    try:
+        array = np.asarray(data)  # numbers only: an int or float array, at C speed
+        if array.dtype.kind not in "iuf":  # strings, nulls, booleans: look at each element
+            array = np.vectorize(_number, otypes=[np.float64])(np.asarray(data, dtype=object))
+        return array.astype(np.float32)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise TensorDataError(f"{what}: data must be numbers in evenly nested lists "
+                              f"({exc})") from None
+
+
+def _number(value: object) -> float:
+    """One element: a number, or a string naming a non-finite one; ValueError says why not."""
+    if type(value) in (int, float):  # not bool
+        return value  # type: ignore[return-value]
+    if isinstance(value, str) and value in NONFINITE:
+        return NONFINITE[value]
+    if value is None:
+        raise ValueError('null is not a number; send NaN as "NaN" (infinities as "Infinity", '
+                         '"-Infinity")')
+    raise ValueError(f"got {type(value).__name__} {str(value)[:40]!r}")
+
+
 def _reshaped(array: np.ndarray, shape: list[int], what: str) -> np.ndarray:
-    if array.ndim != 1 or any(n < 0 for n in shape) or array.size != int(np.prod(shape)):
+    if array.ndim != 1 or array.size != math.prod(shape):
         raise TensorDataError(f"{what}: data of shape {list(array.shape)} does not fit shape "
                               f"{shape}; give nested lists of that shape or a flat list of its "
                               "size")
@@ -274,6 +376,11 @@ def _reshaped(array: np.ndarray, shape: list[int], what: str) -> np.ndarray:
 
 
 def from_tensor(x: torch.Tensor) -> TensorOut:
-    """The JSON form of a result (values converted to float for fp16/bf16)."""
-    return TensorOut(data=x.detach().float().reshape(-1).tolist(), shape=list(x.shape),
-                     dtype=DTYPE_NAMES[x.dtype])
+    """The JSON form of a result (values converted to float for fp16/bf16; non-finite ones as
+    strings)."""
+    values = x.detach().float().reshape(-1).cpu().numpy()
+    data: list[Any] = values.tolist()
+    for i in np.flatnonzero(~np.isfinite(values)):
+        data[i] = finite_json(data[i])
+    # Built, not validated: a million floats took 200 ms of the event loop to check.
+    return TensorOut.model_construct(data=data, shape=list(x.shape), dtype=DTYPE_NAMES[x.dtype])

@@ -84,10 +84,13 @@ def test_large_tasks_are_tiled_across_blocks(rt: Runtime) -> None:
 
 
 def test_a_stalled_worker_raises_instead_of_hanging() -> None:
-    with cuda_runtime(stall_timeout_s=0.02) as rt:
-        q = torch.randn(1, 256, device="cuda")
-        k = torch.randn(1, 1_000_000, 256, device="cuda")  # one row: one block for ~100 ms
-        batch = rt.submit([rt.prepare(OpCall("attention_decode", (q, k, k)))])
+    config = RuntimeConfig(backend="cuda", allow_raw_cuda=True, cuda=CudaConfig(stall_timeout_s=0.02))
+    with Runtime(config=config) as rt:
+        # one element whose operator spins ~0.2 s: one block, no completion for 10x the timeout
+        spin = "const long long t = clock64(); while (clock64() - t < 400000000LL) {} return a[0];"
+        rt.register("slow", "A", cuda=spin, canary=False)
+        q = torch.randn(1, device="cuda")
+        batch = rt.submit([rt.prepare(OpCall("slow", (q,)))])
         with pytest.raises(TaskFailedError, match="stalled"):
             batch.wait(60).result(0)
         with pytest.raises(StalledWorkerError):

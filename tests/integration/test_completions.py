@@ -6,28 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from loadtest.launch import REPO, ServeProcess, free_port, start_serve, write_config
+from loadtest.launch import REPO, ServeProcess, served
 
 openai = pytest.importorskip("openai")
+ADMIN = {"Authorization": "Bearer completions-secret"}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     tmp = tmp_path_factory.mktemp("llm")
-    port = free_port()
-    config = write_config(REPO / "deployments" / "llm.yaml", tmp / "llm.yaml", port,
-                          {"backend": "cpu", "state_dir": str(tmp / "state"), "num_cpus": 0.5})
-    process = start_serve(config, port, tmp / "serve.log")
-    try:
-        process.wait_until_up("/v1/models")
+    with served(REPO / "deployments" / "llm.yaml", tmp,
+                {"backend": "cpu", "state_dir": str(tmp / "state"), "num_cpus": 0.5,
+                 "admin_token": ADMIN["Authorization"].removeprefix("Bearer ")},
+                ready="/v1/models") as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +152,53 @@ def test_ops_still_served_beside_the_model(server: ServeProcess) -> None:
 
 def test_the_default_is_the_seeded_tiny_model(model_id: str) -> None:
     assert model_id == "tiny-gpt2"
+
+
+@pytest.mark.parametrize("body", [b"\xff\xfe{}", b"[" * 100_000, b'{"prompt": "hi"} tail'])
+def test_bodies_that_are_not_json_get_400_in_openai_shape(server: ServeProcess,
+                                                           body: bytes) -> None:
+    answer = httpx.post(f"{server.url}/v1/completions", content=body, timeout=30,
+                        headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and "invalid JSON" in error["message"]
+
+
+def test_vllm_metrics_count_the_completions(server: ServeProcess, model_id: str) -> None:
+    httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": model_id, "prompt": "count me", "max_tokens": 4, "temperature": 0})
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:num_requests_waiting"):
+        assert f'\n{name}{{model_name="{model_id}",' in text, name
+    assert 'vllm:request_success_total{finished_reason="' in text
+
+
+def test_nan_logits_are_a_clear_error_and_roll_the_swap_back(server: ServeProcess,
+                                                             model_id: str) -> None:
+    """gelu_tanh (the tiny GPT-2's activation) swapped to a version that is NaN for negative
+    inputs: refused by default, and when forced, the next completion fails with a clear error
+    (never torch's message) and the replica rolls the operator back by itself."""
+    swap = f"{server.url}/admin/ops/gelu_tanh/swap"
+    nan = {"expression": "sqrt(A) * 0 + A"}
+    refused = httpx.post(swap, json=nan, headers=ADMIN, timeout=120)
+    assert refused.status_code == 422 and refused.json()["error"] == "NonFiniteOutputError"
+    forced = httpx.post(swap, json={**nan, "allow_nonfinite": True}, headers=ADMIN, timeout=120)
+    assert forced.status_code == 200, forced.text
+    body = {"model": model_id, "prompt": "Hello", "max_tokens": 4}
+    failed = httpx.post(f"{server.url}/v1/completions", json={**body, "temperature": 0.7},
+                        timeout=60)
+    assert failed.status_code == 500, failed.text
+    error = failed.json()["error"]
+    assert error["type"] == "server_error" and "NaN or infinite logits" in error["message"]
+    assert "gelu_tanh" in error["message"] and "probability" not in error["message"]
+    deadline = time.monotonic() + 60
+    while (op := httpx.get(f"{server.url}/admin/ops/gelu_tanh", headers=ADMIN,
+                           timeout=30).json())["current"] != 1:
+        assert time.monotonic() < deadline, op
+        time.sleep(0.2)
+    assert (op["changes"][-1]["by"], op["changes"][-1]["action"]) == ("watch", "rollback")
+    again = httpx.post(f"{server.url}/v1/completions", json={**body, "temperature": 0},
+                       timeout=60)
+    assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] == "length"

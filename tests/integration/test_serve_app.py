@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -305,13 +306,165 @@ def test_coalescer_knobs_out_of_range_are_refused(client: httpx.Client) -> None:
     assert {r["coalescer"]["max_batch"] for r in reports} == {64}
 
 
-def test_a_short_swap_storm_under_load_has_no_failures(app: App, tmp_path: Path) -> None:
+def test_a_short_swap_storm_under_load_has_no_failures(app: App, client: httpx.Client,
+                                                       tmp_path: Path) -> None:
     code = loadtest_run.main(["swap-storm", "--users", "6", "--duration", "5", "--coalescing",
-                              "on", "--warmup", "0", "--url", app.url, "--admin-token", TOKEN,
+                              "off", "--warmup", "0", "--url", app.url, "--admin-token", TOKEN,
                               "--out", str(tmp_path)])
     (run,) = json.loads((tmp_path / "summary.json").read_text())["runs"]
     assert code == 0 and run["failures"] == 0, run
     assert run["requests"] > 20 and run["mean_batch_size"] >= 1
+    reports = client.get("/admin/replicas", headers=ADMIN).json()["replicas"]
+    assert [r["coalescer"]["enabled"] for r in reports] == [True, True]  # put back as it was
+
+
+MALFORMED = [  # (path, body, status, words): each once a 500
+    ("/v1/ops/relu", {"inputs": [{"data": [], "shape": [2 ** 62, 4]}]}, 422, "less than or equal"),
+    ("/v1/ops/relu", b"\xff\xfe{}", 422, "invalid JSON"),
+    ("/v1/ops/relu", b"[" * 100_000, 422, "recursion limit"),
+    ("/v1/ops/relu", {"inputs": [{"data": [1.0, None]}]}, 422, 'send NaN as \\"NaN\\"'),
+    ("/v1/ops/add", {"inputs": [{"data": [[1.0]] * 64}, {"data": [[1.0] * 256]}]}, 413,
+     "the result would have shape [64, 256]"),
+    ("/v1/ops/relu", {"inputs": [{"data": [1.0]}], "keepdim": "yes"}, 422, "keepdim"),
+    ("/admin/ops", b'{"a": ' * 100_000, 422, "recursion limit"),
+    ("/v1/completions", b"\xff\xfe{}", 400, "invalid JSON"),
+    ("/v1/completions", b"[" * 100_000, 400, "recursion limit"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words"), MALFORMED,
+                         ids=[f"{m[0]}-{m[2]}-{i}" for i, m in enumerate(MALFORMED)])
+def test_malformed_input_of_any_kind_is_a_4xx_in_one_shape(
+        client: httpx.Client, path: str, body: Any, status: int, words: str) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = client.post(path, content=content, headers={**ADMIN,
+                                                           "content-type": "application/json"})
+    assert response.status_code == status, response.text
+    assert words in response.text
+    error = response.json()["error"]
+    if path == "/v1/completions":  # OpenAI's shape, for OpenAI's clients
+        assert set(error) == {"message", "type", "param", "code"}
+    else:
+        assert isinstance(error, str) and isinstance(response.json()["detail"], str)
+
+
+def test_a_path_lists_every_method_it_answers(client: httpx.Client) -> None:
+    response = client.request("OPTIONS", "/admin/ops", headers=ADMIN)
+    assert response.status_code == 405 and response.headers["Allow"] == "GET, POST"
+    assert response.json() == {"error": "MethodNotAllowed", "detail": "Method Not Allowed"}
+
+
+def test_non_finite_values_travel_as_strings_and_null_is_refused(client: httpx.Client) -> None:
+    body = {"inputs": [{"data": [1.0, "NaN", "Infinity", "-Infinity"]}]}
+    out = client.post("/v1/ops/neg", json=body).json()["output"]
+    assert out["data"] == [-1.0, "NaN", "-Infinity", "Infinity"]
+    zero = client.post("/v1/ops/div", json={"inputs": [{"data": [0.0, 1.0, -1.0]},
+                                                        {"data": [0.0, 0.0, 0.0]}]})
+    assert zero.json()["output"]["data"] == ["NaN", "Infinity", "-Infinity"]
+    refused = client.post("/v1/ops/neg", json={"inputs": [{"data": [[1.0, None]]}]})
+    assert refused.status_code == 422 and "null is not a number" in refused.json()["detail"]
+
+
+async def oversized(total: int) -> AsyncIterator[bytes]:
+    """A JSON body of `total` bytes, sent chunked (no Content-Length) as it is produced."""
+    yield b'{"inputs": [{"data": ['
+    for _ in range(total // 65536):
+        yield b"0," * 32768
+    yield b"0]}]}"
+
+
+def replica_rss(client_text: str) -> dict[str, float]:
+    return {m[0]: float(m[1]) for m in re.findall(
+        r'process_resident_memory_bytes\{replica="([^"]+)"\} (\S+)', client_text)}
+
+
+def test_chunked_bodies_over_the_limit_get_413_while_others_are_served(app: App) -> None:
+    """Four 50 MB bodies without Content-Length at once: each is cut off at the limit (about
+    1 MB here), the replicas' memory barely moves and health checks keep answering."""
+    async def main() -> tuple[list[int], list[float], float]:
+        async with httpx.AsyncClient(base_url=app.url, timeout=120) as session:
+            before = replica_rss((await session.get("/metrics")).text)
+            uploads = [asyncio.create_task(session.post(
+                "/v1/ops/relu", content=oversized(50 << 20),
+                headers={"content-type": "application/json"})) for _ in range(4)]
+            latencies, peak = [], 0.0
+            while not all(u.done() for u in uploads):
+                started = time.perf_counter()
+                assert (await session.get("/healthz")).status_code == 200
+                latencies.append(time.perf_counter() - started)
+                now = replica_rss((await session.get("/metrics")).text)
+                peak = max([peak] + [now[r] - before.get(r, now[r]) for r in now])
+            return [(await u).status_code for u in uploads], latencies, peak
+
+    statuses, latencies, growth = asyncio.run(main())
+    assert statuses == [413] * 4
+    assert max(latencies) < 1.0, latencies
+    assert growth < 100 * 2 ** 20, f"a replica grew by {growth / 2 ** 20:.0f} MB"
+
+
+def test_a_swap_that_makes_nan_where_the_current_is_finite_is_refused(
+        client: httpx.Client) -> None:
+    assert client.post("/admin/ops", headers=ADMIN,
+                       json={"name": "it_sqrt", "expression": "A + 1"}).status_code == 201
+    refused = client.post("/admin/ops/it_sqrt/swap", headers=ADMIN,
+                          json={"expression": "sqrt(A) + 1"})
+    assert refused.status_code == 422, refused.text
+    body = refused.json()
+    assert body["error"] == "NonFiniteOutputError" and "allow_nonfinite" in body["detail"]
+    assert body["cases"] and all(c["nonfinite"] > 0 for c in body["cases"])
+    assert call(client, "it_sqrt", torch.tensor([-4.0])).json()["version"] == 1
+    allowed = client.post("/admin/ops/it_sqrt/swap", headers=ADMIN,
+                          json={"expression": "sqrt(A) + 1", "allow_nonfinite": True})
+    assert allowed.status_code == 200, allowed.text
+    canary = allowed.json()["canary"]
+    assert canary["nonfinite"] > 0 and canary["max_abs_deviation"] > 0
+
+
+def test_a_swap_whose_answers_turn_nan_on_some_inputs_is_rolled_back_everywhere(
+        client: httpx.Client) -> None:
+    assert client.post("/admin/ops", headers=ADMIN,
+                       json={"name": "it_watch", "expression": "A * 2"}).status_code == 201
+    swapped = client.post("/admin/ops/it_watch/swap", headers=ADMIN,  # NaN at 7.25 only
+                          json={"expression": "A * 2 + 0 * log(abs(A - 7.25))"})
+    assert swapped.status_code == 200 and swapped.json()["canary"]["max_abs_deviation"] == 0.0
+    fine = call(client, "it_watch", torch.tensor([1.0, 2.0])).json()
+    assert fine["version"] == 2 and fine["output"]["data"] == [2.0, 4.0]
+    nan = call(client, "it_watch", torch.tensor([1.0, 7.25])).json()
+    assert nan["version"] == 2 and nan["output"]["data"] == [2.0, "NaN"]
+    deadline = time.monotonic() + 60
+    while (op := client.get("/admin/ops/it_watch", headers=ADMIN).json())["current"] != 1:
+        assert time.monotonic() < deadline, op
+        time.sleep(0.2)
+    last = op["changes"][-1]
+    assert (last["action"], last["by"], last["version"]) == ("rollback", "watch", 1)
+    assert "NaN or infinite" in last["reason"]
+    wait_for_versions(client, "it_watch", 1)
+    metrics = client.get("/metrics").text
+    assert re.search(r'gpuos_operator_auto_rollbacks_total\{op="it_watch",replica="[^"]+"\} 1',
+                     metrics)
+
+
+def wait_for_versions(client: httpx.Client, op: str, version: int) -> None:
+    """Both replicas serve `version` of `op` (a push may still be on its way)."""
+    deadline = time.monotonic() + 60
+    while True:
+        reports = client.get("/admin/replicas", headers=ADMIN).json()["replicas"]
+        if [r["versions"][op] for r in reports] == [version, version]:
+            return
+        assert time.monotonic() < deadline, reports
+        time.sleep(0.2)
+
+
+def test_metrics_on_the_serving_port_cover_every_replica(client: httpx.Client) -> None:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    for name in ("gpuos_coalesced_batch_size_bucket", "gpuos_request_errors_total",
+                 "gpuos_operator_changes_total", "vllm:num_requests_running",
+                 "process_resident_memory_bytes"):
+        assert f"\n{name}{{" in text, name
+    assert len(set(re.findall(r'process_resident_memory_bytes\{replica="([^"]+)"', text))) == 2
 
 
 def test_the_registry_survives_a_restart(app: App, client: httpx.Client) -> None:

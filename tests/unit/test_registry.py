@@ -10,8 +10,8 @@ import torch
 
 from gpuos_core import ExpressionError, Runtime
 from serving.errors import RegistryDivergedError, RegistryError
-from serving.registry import (RegistryState, RegistryStore, ReplicaRegistry, apply_state,
-                              op_record, snapshot)
+from serving.registry import (ChangeNote, RegistryState, RegistryStore, ReplicaRegistry,
+                              apply_state, op_record, snapshot)
 
 
 @pytest.fixture
@@ -91,22 +91,26 @@ def test_a_change_made_on_one_replica_reaches_another_through_the_store(tmp_path
                                                                       rt: Runtime) -> None:
     store = RegistryStore(tmp_path)
     mine = ReplicaRegistry(rt, store)
-    made, state = mine.change(lambda r: r.register("lin", "A * 2"))
+    made, state = mine.change(lambda r: r.register("lin", "A * 2"),
+                              ChangeNote(op="lin", action="register"))
     assert made.version == 1 and state.seq == 1 and store.load() == state
     with Runtime("cpu") as peer_rt:
         peer = ReplicaRegistry(peer_rt, store)
         assert peer.catch_up().seq == 1
-        _, state = peer.change(lambda r: r.swap("lin", "A * 3"))
+        _, state = peer.change(lambda r: r.swap("lin", "A * 3"),
+                               ChangeNote(op="lin", action="swap", reason="faster"))
         assert state.seq == 2
     assert mine.catch_up() == state  # the first replica sees the peer's change
+    assert [(r.seq, r.action, r.version, r.by, r.reason) for r in state.log] == [
+        (1, "register", 1, "admin", None), (2, "swap", 2, "admin", "faster")]
     x = torch.randn(4)
     torch.testing.assert_close(rt.run("lin", x), x * 3)
 
 
 def test_a_failing_change_changes_nothing(tmp_path: Path, rt: Runtime) -> None:
     registry = ReplicaRegistry(rt, RegistryStore(tmp_path))
-    registry.change(lambda r: r.register("lin", "A * 2"))
+    registry.change(lambda r: r.register("lin", "A * 2"), ChangeNote(op="lin", action="register"))
     with pytest.raises(ExpressionError):
-        registry.change(lambda r: r.swap("lin", "A *"))
+        registry.change(lambda r: r.swap("lin", "A *"), ChangeNote(op="lin", action="swap"))
     assert registry.store.load().seq == 1 and registry.applied.seq == 1
     assert rt.table.current("lin").version == 1 and len(rt.history("lin")) == 1

@@ -1,0 +1,68 @@
+"""Tensors in JSON: non-finite values travel as "NaN", "Infinity", "-Infinity" both ways, null and
+other non-numbers are refused, and sizes are checked without overflow."""
+from __future__ import annotations
+
+import math
+
+import pydantic
+import pytest
+import torch
+
+from gpuos_core import OpCall
+from gpuos_core.catalogue import CATALOGUE
+from serving.errors import RequestTooLargeError, TensorDataError
+from serving.schemas import OpRequest, TensorIn, check_output_size, from_tensor, to_tensor
+
+CPU = torch.device("cpu")
+
+
+def tensor(data: list, **spec: object) -> torch.Tensor:
+    return to_tensor(TensorIn(data=data, **spec), "input 0", CPU)
+
+
+def test_non_finite_values_are_strings_and_distinct_in_answers() -> None:
+    x = torch.tensor([1.5, math.nan, math.inf, -math.inf], dtype=torch.float16)
+    out = from_tensor(x)
+    assert out.data == [1.5, "NaN", "Infinity", "-Infinity"]
+    assert out.model_dump_json() == ('{"data":[1.5,"NaN","Infinity","-Infinity"],"shape":[4],'
+                                     '"dtype":"float16"}')
+
+
+@pytest.mark.parametrize("data", [[1.0, "NaN", "Infinity", "-Infinity"],
+                                  [1.0, math.nan, math.inf, -math.inf]])
+def test_non_finite_values_are_read_from_strings_and_literals(data: list) -> None:
+    x = tensor(data)
+    assert x[0] == 1 and x[1].isnan() and x[2] == math.inf and x[3] == -math.inf
+    flat = tensor(["NaN", 2, 3, "-Infinity"], shape=[2, 2])
+    assert flat.shape == (2, 2) and flat[0, 0].isnan() and flat[1, 1] == -math.inf
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    ([1.0, None], 'null is not a number; send NaN as "NaN"'),
+    ([[1.0, None], [2.0, 3.0]], "null is not a number"),
+    ([True, False], "got bool"),
+    ([1.0, "nan"], "got str 'nan'"),
+    ([[1.0], [2.0, 3.0]], "evenly nested"),
+    ([10 ** 400], "too large"),
+])
+def test_what_is_not_a_number_is_refused(data: list, words: str) -> None:
+    with pytest.raises(TensorDataError, match=words):
+        tensor(data)
+
+
+def test_shapes_whose_element_count_overflows_int64_are_refused() -> None:
+    with pytest.raises(pydantic.ValidationError, match="less than or equal"):
+        OpRequest.model_validate({"inputs": [{"data": [], "shape": [2 ** 62, 4]}]})
+    with pytest.raises(TensorDataError, match="does not fit shape"):  # 2^31-1 cubed: no overflow
+        tensor([], shape=[2 ** 31 - 1] * 3)
+    with pytest.raises(pydantic.ValidationError, match="at most 8"):
+        OpRequest.model_validate({"inputs": [{"data": [1], "shape": [1] * 9}]})
+
+
+def test_a_result_larger_than_the_limit_is_refused_before_it_is_allocated() -> None:
+    call = OpCall("add", (torch.zeros(512, 1), torch.zeros(1, 512)))
+    with pytest.raises(RequestTooLargeError, match=r"shape \[512, 512\]"):
+        check_output_size(CATALOGUE["add"], call, 4096)
+    check_output_size(CATALOGUE["add"], OpCall("add", (torch.zeros(64, 1), torch.zeros(1, 64))),
+                      4096)
+    check_output_size(CATALOGUE["add"], OpCall("add", (torch.zeros(3),)), 4096)  # prepare's to say
