@@ -23,7 +23,7 @@ step build 300 python3 -m gpuos_core.build
 mode="${1:-all}"
 if [[ "$mode" != bench ]]; then
     step smoke 120 python3 bench/gpu_smoke.py
-    step gpu-tests 560 python3 -m pytest -m gpu -q -x -p no:cacheprovider -o faulthandler_timeout=100 tests/gpu tests/unit/test_catalogue.py tests/unit/test_runtime.py tests/unit/test_program.py tests/unit/test_index_ops.py tests/unit/test_attention.py tests/unit/test_fused_norm.py tests/unit/test_device_sampling.py tests/unit/test_scheduler.py tests/unit/test_llm_engine.py
+    step gpu-tests 560 python3 -m pytest -m gpu -q -x -p no:cacheprovider -o faulthandler_timeout=100 tests/gpu tests/unit/test_catalogue.py tests/unit/test_runtime.py tests/unit/test_program.py tests/unit/test_index_ops.py tests/unit/test_attention.py tests/unit/test_fused_norm.py tests/unit/test_device_sampling.py tests/unit/test_linear.py tests/unit/test_gather_rows.py tests/unit/test_scheduler.py tests/unit/test_llm_engine.py
 fi
 if [[ "$mode" != quick ]]; then
     step micro 420 python3 bench/micro.py --out "$OUT"
