@@ -101,10 +101,15 @@ def encode_task(records: np.ndarray, ranges: list[tuple[int, int]], out: torch.T
     refs = tensor_fields(out) + sum((tensor_fields(x) for x in inputs), ())
     refs += _NO_TENSOR * (MAX_INPUTS - len(inputs))
     scalars = tuple(scalars) + (0.0,) * (MAX_SCALARS - len(scalars))
-    raw = records.view(np.uint8)
-    for i, (begin, end) in enumerate(ranges):
-        TASK_STRUCT.pack_into(raw, i * TASK.itemsize, 0, len(inputs), reduce_mask, NO_EVENT,
-                              begin, end, *scalars, *_NO_DEPS, *refs)
+    raw = records[:len(ranges)].view(np.uint8).reshape(len(ranges), TASK.itemsize)
+    begin, end = ranges[0]
+    TASK_STRUCT.pack_into(raw[0], 0, 0, len(inputs), reduce_mask, NO_EVENT, begin, end, *scalars,
+                          *_NO_DEPS, *refs)
+    if len(ranges) > 1:  # the records differ only in their ranges: copy bytes, set two columns
+        raw[1:] = raw[0]
+        bounds = np.asarray(ranges, dtype=np.int64)
+        records["range_begin"][:len(ranges)] = bounds[:, 0]
+        records["range_end"][:len(ranges)] = bounds[:, 1]
 
 
 def ref_shape(ref: np.void) -> tuple[int, ...]:
