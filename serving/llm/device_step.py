@@ -15,7 +15,7 @@ reaches the next step.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,16 +106,18 @@ class StepInputs:
         host["lengths"][:] = 0
         host["rng"][:] = 0
         host["params"].view(np.float32)[:] = 0.0  # temperature 0: argmax, no draw
-        for s, (first, pick) in zip(spans, self.layout.places(spans)):
-            rows = slice(first, first + len(s.tokens))
-            positions = np.arange(s.start, s.end, dtype=np.int32)
-            host["tokens"][rows] = s.tokens
-            host["positions"][rows] = positions
-            host["kv_rows"][rows] = s.slot * max_len + positions
-            host["lengths"][rows] = positions + 1
-        picks = [pick for _, pick in self.layout.places(spans)]
-        host["params"].view(np.float32).reshape(-1, 3)[picks] = params.numpy()
-        host["rng"].reshape(-1, 3)[picks] = rng.numpy()
+        places = np.array(self.layout.places(spans), dtype=np.int64).reshape(-1, 2)
+        counts = np.array([len(s.tokens) for s in spans], dtype=np.int64)
+        # row r of span i: first_i + k, position start_i + k, for k < count_i (no loop per row)
+        k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        rows = np.repeat(places[:, 0], counts) + k
+        positions = np.repeat([s.start for s in spans], counts) + k
+        host["tokens"][rows] = [t for s in spans for t in s.tokens]
+        host["positions"][rows] = positions
+        host["kv_rows"][rows] = np.repeat([s.slot for s in spans], counts) * max_len + positions
+        host["lengths"][rows] = positions + 1
+        host["params"].view(np.float32).reshape(-1, 3)[places[:, 1]] = params.numpy()
+        host["rng"].reshape(-1, 3)[places[:, 1]] = rng.numpy()
         if self.device is not self.host:
             self.device.copy_(self.host)
 
@@ -233,12 +235,17 @@ class StepProgram:
         self.program: Program = ops.build.build()
         self.layout, self.max_len = layout, pool.max_len
 
-    def run(self, rt: Runtime, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor,
-            keep_logits: bool, timeout: float) -> StepResult:
-        """Write the step's inputs, run the program, read back the spans' tokens."""
+    def start(self, rt: Runtime, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor,
+              keep_logits: bool, timeout: float) -> Callable[[], StepResult]:
+        """Write the step's inputs and submit the program; the returned call waits for it and
+        reads back the spans' tokens."""
         self.inputs.write(spans, self.max_len, params, rng)
-        rt.submit(self.program).wait(timeout).check()
+        batch = rt.submit(self.program)
         picks = [pick for _, pick in self.layout.places(spans)]
-        tokens, sums = self.tokens.cpu(), self.sums.cpu()
-        logits = self.logits[picks].cpu() if keep_logits else None
-        return StepResult(tokens[picks].tolist(), sums[picks].isfinite().tolist(), logits)
+
+        def result() -> StepResult:
+            batch.wait(timeout).check()
+            tokens, sums = self.tokens.cpu(), self.sums.cpu()
+            logits = self.logits[picks].cpu() if keep_logits else None
+            return StepResult(tokens[picks].tolist(), sums[picks].isfinite().tolist(), logits)
+        return result

@@ -4,9 +4,15 @@ One thread runs steps. A step reads as three calls:
 
     step = self._schedule()        # admit waiting requests into free KV slots; each running request
                                    # brings a span of new rows (its prompt, in chunks, then 1 token)
-    out = self._run(step)          # the model's forward (forward.py) and sampling over the spans:
+    run = self._launch(step)       # the model's forward (forward.py) and sampling over the spans:
                                    # one device program on the runtime (device_step.py), or torch
-    self._scatter(step, out)       # detokenize, stop, stream out, free finished slots
+    self._emit()                   # while it runs: text of the previous step's tokens (detokenize,
+                                   # stop strings, stream out, free finished slots)
+    self._collect(step, run())     # this step's tokens, kept for the next _emit
+
+A request whose tokens end it (eos, max_tokens) runs no further row; one that a stop string ends
+is found a step later, so it may run one row more, whose token is dropped (vLLM's asynchronous
+scheduling makes the same trade).
 
 Requests join and leave at step boundaries. Memory is bounded: a fixed pool of KV slots; requests
 wait in a bounded queue for a free slot (EngineFullError beyond it). `micro_ops="torch"` runs the same
@@ -22,7 +28,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -123,6 +129,7 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     slot: int = -1                # KV slot while running
     cached: int = 0               # tokens whose keys/values are in the slot
+    finished: bool = False        # its last delta was sent: later tokens are dropped
 
     @property
     def cancelled(self) -> bool:
@@ -132,6 +139,13 @@ class _Request:
     def length(self) -> int:
         """Tokens of the sequence so far: prompt and generated."""
         return len(self.prompt) + len(self.generated)
+
+    def spent(self, eos: int | None, max_len: int) -> bool:
+        """Whether its tokens so far end it (eos, max_tokens, the context), before its text is
+        looked at: it must not run another row."""
+        done = self.generated and (self.generated[-1] == eos
+                                    or len(self.generated) >= self.params.max_tokens)
+        return bool(done) or self.length >= max_len
 
     def pending_tokens(self) -> list[int]:
         """Tokens to feed next: the prompt (rest) first, then the last generated token."""
@@ -185,6 +199,7 @@ class Engine:
         self._programs: OrderedDict[Layout, StepProgram] = OrderedDict()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
+        self._unsent: list[tuple[_Request, int]] = []  # tokens chosen, text not yet emitted
         self._lock = threading.Condition()
         self._closed = False
         self.steps = self.tokens = 0    # steps run, tokens generated (for /v1/stats)
@@ -257,12 +272,14 @@ class Engine:
             return not self._closed
 
     def step(self) -> None:
-        """One step: admit, run the spans' rows, sample and stream."""
+        """One step: admit, start the spans' rows on the device, stream the previous step's
+        text meanwhile, then take this step's tokens."""
         step = self._schedule()
-        if step is None:
-            return
-        self._scatter(step, self._run(step))
-        self.steps += 1
+        run = self._launch(step) if step is not None else None
+        self._emit()
+        if step is not None and run is not None:
+            self._collect(step, run())
+            self.steps += 1
 
     def _schedule(self) -> _Step | None:
         """Admit waiting requests into free slots, drop cancelled ones, take every running
@@ -280,6 +297,8 @@ class Engine:
         for r in self._running:
             if budget <= 0:
                 break
+            if r.spent(self.tokenizer.eos_id, self.max_len):
+                continue  # ends at the next _emit
             take = r.pending_tokens()[:budget]
             requests.append(r)
             spans.append(Span(r.slot, r.cached, tuple(take)))
@@ -287,17 +306,19 @@ class Engine:
         return _Step(tuple(requests), tuple(spans)) if requests else None
 
     # -- the forward ---------------------------------------------------------------------------
-    def _run(self, step: _Step) -> StepResult:
-        """Tokens (and, when a stream keeps them, logits) of each span's last row."""
+    def _launch(self, step: _Step) -> Callable[[], StepResult]:
+        """Start the step; the returned call waits for the tokens (and, when a stream keeps
+        them, logits) of each span's last row."""
         params, rng = step.sampling()
         keep = any(r.stream.logits is not None for r in step.requests)
         if self.config.micro_ops == "torch":
             logits = forward(self.model, TorchOps(self.model.config, self.kv, step.spans))
             tokens = sample_rows(logits, params.to(logits.device), rng.to(logits.device))
-            return StepResult(tokens.tolist(), logits.isfinite().all(-1).tolist(),
+            done = StepResult(tokens.tolist(), logits.isfinite().all(-1).tolist(),
                               logits.cpu() if keep else None)
+            return lambda: done
         program = self._program(Layout.of(step.spans, self.kv.slots))
-        return program.run(self.runtime, step.spans, params, rng, keep, timeout=60)
+        return program.start(self.runtime, step.spans, params, rng, keep, timeout=60)
 
     def _program(self, layout: Layout) -> StepProgram:
         """The step program of `layout`, built on first use (kept for PROGRAMS layouts)."""
@@ -321,12 +342,14 @@ class Engine:
         return cos[:, :half].to(w.dtype).contiguous(), sin[:, :half].to(w.dtype).contiguous()
 
     # -- sampling and output -------------------------------------------------------------------
-    def _scatter(self, step: _Step, out: StepResult) -> None:
-        """Advance every request of the step: those that fed their last pending row get a token."""
+    def _collect(self, step: _Step, out: StepResult) -> None:
+        """Take the step's tokens: requests that fed their last pending row get one (its text
+        waits for the next _emit); non-finite logits end their request now."""
+        now = time.perf_counter()
         for i, (r, span) in enumerate(zip(step.requests, step.spans)):
             r.cached += len(span.tokens)
-            if r.cached != r.length:
-                continue  # a prompt chunk that is not the last
+            if r.finished or r.cached != r.length:
+                continue  # ended meanwhile (its row ran for nothing), or a prompt chunk
             if not out.finite[i]:
                 self._finish(r, "", "error", f"{NonFiniteLogitsError.__name__}: the logits of "
                              f"token {len(r.generated)} hold NaN or infinity (an operator the "
@@ -334,13 +357,22 @@ class Engine:
                 continue
             if out.logits is not None and r.stream.logits is not None:
                 r.stream.logits.append(out.logits[i])
-            self._advance(r, out.tokens[i])
+            r.generated.append(out.tokens[i])
+            r.stream.tokens.append(out.tokens[i])
+            r.stream.token_times.append(now)
+            self.tokens += 1
+            self._unsent.append((r, out.tokens[i]))
+
+    def _emit(self) -> None:
+        """Text of the tokens taken so far: detokenize, match stop strings, stream, and end the
+        requests they end."""
+        unsent, self._unsent = self._unsent, []
+        for r, token in unsent:
+            if not r.finished:
+                self._advance(r, token)
 
     def _advance(self, r: _Request, token: int) -> None:
-        r.generated.append(token)
-        r.stream.tokens.append(token)
-        r.stream.token_times.append(time.perf_counter())
-        self.tokens += 1
+        """One token's text; `r.generated` already holds it."""
         if token == self.tokenizer.eos_id:
             self._finish(r, r.stops.flush(), "stop")
             return
@@ -354,6 +386,7 @@ class Engine:
 
     def _finish(self, r: _Request, text: str, reason: str, error: str | None = None) -> None:
         """Send the last delta and give the request's slot back (or take it off the queue)."""
+        r.finished = True
         r.stream.put(Delta(text, reason, len(r.prompt), len(r.generated), error))
         with self._lock:
             if r in self._running:
