@@ -59,7 +59,7 @@ from serving.llm.engine import Engine, EngineConfig
 from serving.llm.forward import TorchOps, forward
 from serving.llm.model import (TINY, ModelConfig, parse_config, random_weights, rotary_cos_sin,
                                save_pretrained, weights_to_hf)
-from serving.llm.sampling import SamplingParams
+from serving.llm.sampling import Detokenizer, SamplingParams
 
 LLAMA = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
          "num_key_value_heads": 4, "intermediate_size": 2048, "max_position_embeddings": 1024}
@@ -132,12 +132,17 @@ class IdChars:
     (the engine detokenizes each token; the text is never read)."""
 
     eos_id = None
+    eos_ids: frozenset[int] = frozenset()
+    bos_id = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(32 + i % 95) for i in ids)
+
+    def detokenizer(self) -> Detokenizer:
+        return Detokenizer(self)
 
 
 def step_bytes(model: Model) -> int:

@@ -1,18 +1,31 @@
 """GPUOS: a persistent-kernel runtime for batched micro-operations (usable without Ray)."""
 from .batch import Batch
 from .calls import OpCall, Prepared
-from .errors import (BackendUnavailableError, CanaryCrashError, CanaryMismatchError, CompileError,
-                     ExpressionError, GpuosError, LinkError, RawCudaDisabledError,
-                     OperatorExistsError, RollbackError, RuntimeClosedError, TaskFailedError,
-                     TensorSpecError, UnknownOperatorError, WaitTimeoutError)
 from .config import CudaConfig, RuntimeConfig
 from .dispatch import Scheduler, SchedulerConfig, SchedulerStats, scheduler
+from .errors import (
+    BackendUnavailableError,
+    CanaryCrashError,
+    CanaryMismatchError,
+    CompileError,
+    ExpressionError,
+    GpuosError,
+    LinkError,
+    OperatorExistsError,
+    RawCudaDisabledError,
+    RollbackError,
+    RuntimeClosedError,
+    TaskFailedError,
+    TensorSpecError,
+    UnknownOperatorError,
+    WaitTimeoutError,
+)
 from .runtime import Runtime
 
 __all__ = [
-    "Batch", "CudaConfig", "OpCall", "Prepared", "Runtime", "RuntimeConfig", "BackendUnavailableError",
-    "CanaryCrashError", "CanaryMismatchError", "CompileError", "ExpressionError", "GpuosError",
-    "LinkError", "OperatorExistsError", "RawCudaDisabledError",
+    "Batch", "CudaConfig", "OpCall", "Prepared", "Runtime", "RuntimeConfig",
+    "BackendUnavailableError", "CanaryCrashError", "CanaryMismatchError", "CompileError",
+    "ExpressionError", "GpuosError", "LinkError", "OperatorExistsError", "RawCudaDisabledError",
     "RollbackError", "RuntimeClosedError", "TaskFailedError", "TensorSpecError",
     "UnknownOperatorError", "WaitTimeoutError", "Scheduler", "SchedulerConfig", "SchedulerStats",
     "scheduler",

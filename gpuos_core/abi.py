@@ -1,7 +1,8 @@
 """Python mirror of cuda/gpuos_abi.h and the encoding of torch tensors into task descriptors.
 
-The numpy structured dtypes below must agree byte for byte with the C structs; tests/unit/test_abi.py
-compiles the header with the host C compiler and compares every size and offset.
+The numpy structured dtypes below must agree byte for byte with the C structs;
+tests/unit/test_abi.py compiles the header with the host C compiler and compares every size and
+offset.
 """
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ RAW_TASK = np.dtype((np.void, TASK.itemsize))
 
 QUEUE = np.dtype([("tail", "<u8"), ("head", "<u8"), ("stop", "<u8"), ("claim", "<u8")],
                  align=True)
+
+
+def field_offset(record: np.dtype, name: str) -> int:
+    """Byte offset of field `name` of the structured dtype `record` (TASK, QUEUE)."""
+    fields = record.fields
+    assert fields is not None, f"{record} has no fields"
+    return fields[name][1]
 
 
 def dtype_code(dtype: torch.dtype) -> int:

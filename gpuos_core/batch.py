@@ -61,7 +61,7 @@ class Batch:
     def done(self) -> bool:
         return self._complete
 
-    def wait(self, timeout: float | None = None) -> "Batch":
+    def wait(self, timeout: float | None = None) -> Batch:
         """Block until every task completed; WaitTimeoutError after `timeout` seconds."""
         if self._poll is not None:
             deadline = time.perf_counter() + min(self._spin_s, timeout if timeout else self._spin_s)
@@ -74,11 +74,11 @@ class Batch:
             self._latch.release()  # pass the latch on to the next waiter
         return self
 
-    def __await__(self) -> Generator[None, None, "Batch"]:
+    def __await__(self) -> Generator[None, None, Batch]:
         """`await batch`: completes without blocking the event loop."""
         return self._wait_async().__await__()
 
-    async def _wait_async(self) -> "Batch":
+    async def _wait_async(self) -> Batch:
         with self._lock:
             if self._complete:
                 return self
@@ -92,10 +92,11 @@ class Batch:
         """Output of task `i`; TaskFailedError if that task failed. Call after completion."""
         assert self.done(), "result() before the batch completed"
         if self.status[i] != STATUS_DONE:
-            raise TaskFailedError(self.errors.get(i, f"task {i} failed with status {self.status[i]}"))
+            raise TaskFailedError(self.errors.get(
+                i, f"task {i} failed with status {self.status[i]}"))
         return self.tasks[i].out
 
-    def check(self) -> "Batch":
+    def check(self) -> Batch:
         """Raise TaskFailedError for the first failed task, if any (call after completion)."""
         if (self.status != STATUS_DONE).any():
             self.results()
@@ -105,7 +106,7 @@ class Batch:
         """Every output, raising for the first failed task."""
         return [self.result(i) for i in range(len(self))]
 
-    def add_done_callback(self, fn: Callable[["Batch"], object]) -> None:
+    def add_done_callback(self, fn: Callable[[Batch], object]) -> None:
         """Call `fn(batch)` on completion (from the completing thread), or now if complete."""
         with self._lock:
             if not self._complete:

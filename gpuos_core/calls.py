@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import numpy as np
@@ -33,15 +33,13 @@ class Params:
 class Tiling(Protocol):
     """What a task needs of its operator's family (families.Family): how to cut it into records."""
 
-    def ranges(self, task: "Prepared", tile_elements: int | None) -> list[tuple[int, int]]: ...
+    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]: ...
 
 
 @dataclass(frozen=True, eq=False)
-class Prepared:
-    """A validated task: tensors laid out as encoded; its version is resolved only at submit.
-
-    `Runtime.prepare` returns it complete (records encoded) and nothing writes to it afterwards,
-    records included: a submission resolves operator slots in a copy."""
+class LaidOut:
+    """A validated call with its tensors laid out as they will be encoded: what its operator's
+    family needs to cut it into records (catalogue.prepare makes it, Runtime.prepare encodes it)."""
 
     op: str                                   # logical operator name
     out: torch.Tensor                         # the result as the caller sees it
@@ -51,6 +49,18 @@ class Prepared:
     items: int                                # work items (elements or rows) the task covers
     kind: Tiling                              # its operator's family (cuts the items into records)
     inputs_written: tuple[int, ...] = ()      # inputs the operator also writes in place
-    # Its ABI records (one per tile), op_slot unresolved; None only inside Runtime.prepare, before
-    # the family has cut the task into tiles.
-    records: np.ndarray | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Prepared(LaidOut):
+    """A task ready to submit: laid out and encoded; its version is resolved only at submit.
+
+    Nothing writes to it after `Runtime.prepare`, records included: a submission resolves
+    operator slots in a copy."""
+
+    records: np.ndarray = field(kw_only=True)  # ABI records (one per tile), op_slot unresolved
+
+    @classmethod
+    def encoded(cls, task: LaidOut, records: np.ndarray) -> Prepared:
+        """`task` with its records."""
+        return cls(**{f.name: getattr(task, f.name) for f in fields(LaidOut)}, records=records)

@@ -1,10 +1,11 @@
 """The canary: before a new operator version is linked into a serving image, run it against its
 reference on fresh random inputs in a child process with its own CUDA context. An operator that
-faults or hangs kills or stalls only the child (docs/DESIGN.md "Serving": a failed canary leaves the old
-version serving); one that disagrees with its reference is rejected with the numbers.
+faults or hangs kills or stalls only the child (docs/DESIGN.md "Serving": a failed canary leaves
+the old version serving); one that disagrees with its reference is rejected with the numbers.
 
 The child is `python -m gpuos_core.canary_child`, fed one JSON payload on stdin, answering one JSON
-report on stdout. It shares the parent's JIT cache, so the parent's own compile afterwards is a cache hit.
+report on stdout. It shares the parent's JIT cache, so the parent's own compile afterwards is a
+cache hit.
 """
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import json
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from .calls import Params
 from .catalogue import OpSpec
 from .errors import CanaryCrashError, CanaryMismatchError, NonFiniteOutputError
-from .expr import evaluate
 
 # ‖out − ref‖ / ‖ref‖ a version may show against its reference, by output dtype
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -55,13 +57,13 @@ def compare_with_current(current: OpSpec, candidate: OpSpec, seed: int,
     sandboxed canary checks the candidate's kernel against this same implementation) on the canary
     inputs and the edge values. Raises NonFiniteOutputError with the cases when the candidate is
     NaN or infinite where the current version is finite, unless `allow_nonfinite`."""
-    scalars = canary_scalars(current)
-    cases = []
+    params = Params(tuple(canary_scalars(current)))
+    cases: list[dict[str, Any]] = []
     for xs in _comparison_inputs(current.arity, seed):
         for dtype_name, dtype in DTYPES.items():
             typed = [x.to(dtype) for x in xs]
-            old = evaluate(current.expression, typed, scalars).to(dtype)
-            new = evaluate(candidate.expression, typed, scalars).to(dtype)
+            old = current.compute(typed, params).to(dtype)
+            new = candidate.compute(typed, params).to(dtype)
             cases.append({"shape": [list(x.shape) for x in xs], "dtype": dtype_name,
                           "max_abs_deviation": _max_abs(new, old),
                           "nonfinite": nonfinite_regressions(new, old)})

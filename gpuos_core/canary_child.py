@@ -1,7 +1,7 @@
-"""The canary's child process (`python -m gpuos_core.canary_child`, started by canary.run_sandboxed):
-rebuild one operator version in a fresh CUDA runtime, run it over the canary's cases against its
-expression, print one JSON report. Its own module so that the runtime, which imports the canary,
-is not imported back by it."""
+"""The canary's child process (`python -m gpuos_core.canary_child`, started by
+canary.run_sandboxed): rebuild one operator version in a fresh CUDA runtime, run it over the
+canary's cases against its expression, print one JSON report. Its own module so that the runtime,
+which imports the canary, is not imported back by it."""
 from __future__ import annotations
 
 import json
@@ -10,26 +10,27 @@ from collections.abc import Sequence
 
 import torch
 
-from .calls import OpCall
+from .calls import OpCall, Params
 from .canary import DTYPES, TOLERANCE, input_shapes, rel_error
 from .catalogue import OpSpec
 from .config import RuntimeConfig
-from .expr import evaluate
 from .runtime import Runtime
 
 
 def exercise(runtime: Runtime, name: str, spec: OpSpec, scalars: Sequence[float], seed: int
              ) -> list[dict]:
-    """Run `name` on `runtime` over every case and compare with `spec`'s expression."""
+    """Run `name` on `runtime` over every case and compare with `spec`'s torch implementation
+    (its expression)."""
     gen = torch.Generator().manual_seed(seed)
-    named = {f"s{i}": v for i, v in enumerate(scalars[: spec.expression.num_scalars])}
+    named = {param.name: v for param, v in zip(spec.scalars, scalars)}
+    params = Params(tuple(scalars))
     cases = []
     for shapes in input_shapes(spec.arity):
         for dtype_name, dtype in DTYPES.items():
             xs = tuple((torch.randn(s, generator=gen) * 2).to(dtype=dtype, device=runtime.device)
                        for s in shapes)
             out = runtime.submit([runtime.prepare(OpCall(name, xs, scalars=named))]).wait(30)
-            ref = evaluate(spec.expression, xs, list(scalars)).to(dtype)
+            ref = spec.compute(xs, params).to(dtype)
             err = rel_error(out.result(0), ref)
             cases.append({"shape": [list(s) for s in shapes], "dtype": dtype_name,
                           "rel_error": err, "tolerance": TOLERANCE[dtype],

@@ -1,8 +1,9 @@
 """The operator catalogue: every built-in operator, its interface and its torch reference.
 
-Elementwise operators are expressions over the math library (gpuos_core/mathlib.py), so the CUDA code
-of a catalogue op and of a user's expression come from the same generator. Each has an independent
-torch reference (torch's own function), used by tests and by the canary check before a swap.
+Elementwise operators are expressions over the math library (gpuos_core/mathlib.py), so the CUDA
+code of a catalogue op and of a user's expression come from the same generator. Each has an
+independent torch reference (torch's own function), used by tests and by the canary check before a
+swap.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .calls import OpCall, Params, Prepared
+from .calls import LaidOut, OpCall, Params
 from .errors import TensorSpecError
 from .expr import Expr, parse
 from .families import Family, family
@@ -82,7 +83,8 @@ def expression_spec(name: str, text: str, arity: int | None = None,
     given, is the body of its functor (`float operator()(const float* a, const float* s)`: inputs
     a[0..arity), scalars s[0..4)) and the expression becomes its reference."""
     if cuda is not None and not 0 < len(cuda) <= MAX_CUDA_BODY:
-        raise TensorSpecError(f"CUDA source must be 1 to {MAX_CUDA_BODY} characters, got {len(cuda)}")
+        raise TensorSpecError(f"CUDA source must be 1 to {MAX_CUDA_BODY} characters, "
+                              f"got {len(cuda)}")
     expr = parse(text, arity)
     params = scalars if scalars is not None else tuple(
         ScalarParam(f"s{i}") for i in range(expr.num_scalars))
@@ -170,8 +172,9 @@ def _builtin() -> dict[str, OpSpec]:
 CATALOGUE: Mapping[str, OpSpec] = _builtin()
 
 
-def prepare(spec: OpSpec, call: OpCall, device: torch.device) -> Prepared:
-    """Validate `call` against `spec` and lay it out for encoding; allocates the output if needed."""
+def prepare(spec: OpSpec, call: OpCall, device: torch.device) -> LaidOut:
+    """Validate `call` against `spec` and lay it out for encoding; allocates the output if
+    needed."""
     _check_inputs(spec, call.inputs, device)
     lay = spec.kind.fit_out(spec.kind.layout(call.inputs, call.dims, call.keepdim), call.out)
     scalars = _scalars(spec, call.scalars, call.inputs)
@@ -180,14 +183,18 @@ def prepare(spec: OpSpec, call: OpCall, device: torch.device) -> Prepared:
     if lay.ref_shape != lay.out_shape:  # reductions without keepdim: re-insert the reduced dims
         for d in lay.reduce_dims:
             out_ref = out_ref.unsqueeze(d)
-    return Prepared(spec.name, out, out_ref, lay.inputs, Params(scalars, lay.reduce_dims), lay.items,
-                    spec.kind, inputs_written=spec.kind.inputs_written)
+    return LaidOut(spec.name, out, out_ref, lay.inputs, Params(scalars, lay.reduce_dims),
+                   lay.items, spec.kind, inputs_written=spec.kind.inputs_written)
 
 
 def run_reference(spec: OpSpec, call: OpCall) -> torch.Tensor:
     """`call` computed by `spec`'s torch reference directly, without layout checks or encoding:
     what launching the micro-op with torch costs (a baseline). Inputs must already agree."""
-    xs = call.inputs + ((call.out,) if spec.kind.updates_out else ())
+    xs = call.inputs
+    if spec.kind.updates_out:  # its reference takes the `out` it updates as a last input
+        if call.out is None:
+            raise TensorSpecError(f"{spec.name} writes into the tensor given as out=: pass one")
+        xs = (*xs, call.out)
     return spec.check_reference(xs, Params(_scalars(spec, call.scalars, call.inputs)))
 
 
@@ -219,7 +226,8 @@ def _scalars(spec: OpSpec, given: Mapping[str, float], inputs: Sequence[torch.Te
     names = [p.name for p in spec.scalars]
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise TensorSpecError(f"{spec.name} has no parameter(s) {unknown}; it takes {names or 'none'}")
+        raise TensorSpecError(f"{spec.name} has no parameter(s) {unknown}; "
+                              f"it takes {names or 'none'}")
     values = []
     for p in spec.scalars:
         value = given.get(p.name, p.default)
@@ -233,9 +241,11 @@ def _scalars(spec: OpSpec, given: Mapping[str, float], inputs: Sequence[torch.Te
 
 def _output(call: OpCall, shape: tuple[int, ...], device: torch.device,
             fixed: torch.dtype | None) -> torch.Tensor:
-    """The caller's `out`, checked, or a new one; `fixed` is the family's output dtype if it has one."""
+    """The caller's `out`, checked, or a new one; `fixed` is the family's output dtype if it has
+    one."""
     if fixed is not None and call.out_dtype not in (None, fixed):
-        raise TensorSpecError(f"{call.op} returns {fixed}; out_dtype {call.out_dtype} is not possible")
+        raise TensorSpecError(f"{call.op} returns {fixed}; "
+                              f"out_dtype {call.out_dtype} is not possible")
     dtype = fixed or call.out_dtype or _promote(call.inputs)
     if call.out is None:
         return torch.empty(shape, dtype=dtype, device=device)

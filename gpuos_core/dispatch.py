@@ -23,13 +23,14 @@ queued nodes and the memory they touch: pending.py.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -82,7 +83,7 @@ class SchedulerConfig:
 class _RawReads(TorchFunctionMode):
     """Flushes before reads torch performs without dispatching an aten op (printing, tolist)."""
 
-    def __init__(self, owner: "Scheduler") -> None:
+    def __init__(self, owner: Scheduler) -> None:
         super().__init__()
         self.owner = owner
 
@@ -135,12 +136,10 @@ class Scheduler(TorchDispatchMode):
     thread's torch code at a time (dispatch modes are per thread); the auto-flush timer runs on
     a thread of its own, on the CUDA stream that was current when the work was queued."""
 
-    def __init__(self, runtime: Runtime | None = None, config: SchedulerConfig | None = None
-                 ) -> None:
+    def __init__(self, runtime: Runtime, config: SchedulerConfig | None = None) -> None:
         super().__init__()
         self.config = config or SchedulerConfig()
-        self._given = runtime
-        self.runtime: Runtime | None = runtime
+        self.runtime = runtime
         self.stats = SchedulerStats()
         self._lock = threading.RLock()
         self._pending = Pending()
@@ -151,9 +150,7 @@ class Scheduler(TorchDispatchMode):
         self._local = threading.local()
 
     # -- context -----------------------------------------------------------------------------
-    def __enter__(self) -> "Scheduler":
-        if self.runtime is None:
-            self.runtime = Runtime("auto")
+    def __enter__(self) -> Scheduler:
         if self.config.auto_flush_ms is not None:
             self._ticker = _Ticker(self.config.auto_flush_ms / 1e3, self._timer_flush)
         self._raw.__enter__()
@@ -168,9 +165,6 @@ class Scheduler(TorchDispatchMode):
             if self._ticker is not None:
                 self._ticker.close()
                 self._ticker = None
-            if self._given is None and self.runtime is not None:
-                self.runtime.close()
-                self.runtime = None
 
     # -- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
@@ -318,8 +312,10 @@ class Scheduler(TorchDispatchMode):
 
     def _call(self, node: Node, form: Form | None) -> OpCall:
         out = node.tensor()
-        if form is None:
-            x = _tensor_of(node.operands[0])
+        if form is None:  # a row or reduce node: its one operand is a tensor or a node
+            source = node.operands[0]
+            assert not isinstance(source, float), "row and reduce nodes take a tensor"
+            x = _tensor_of(source)
             if node.transpose is not None:
                 x, out = x.transpose(node.transpose, -1), out.transpose(node.transpose, -1)
             return OpCall(node.op, (x,), out, dims=node.dims, keepdim=node.keepdim)
@@ -343,7 +339,7 @@ class Scheduler(TorchDispatchMode):
         return name
 
 
-def _tensor_of(x: Union[torch.Tensor, Node]) -> torch.Tensor:
+def _tensor_of(x: torch.Tensor | Node) -> torch.Tensor:
     return x.tensor() if isinstance(x, Node) else x
 
 
@@ -359,8 +355,16 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 def scheduler(runtime: Runtime | None = None, size_threshold: int = 16384,
               auto_flush_ms: float | None = 2.0, fuse: bool = True, max_pending: int = 4096
-              ) -> Scheduler:
+              ) -> contextlib.AbstractContextManager[Scheduler]:
     """A scheduler to use as `with scheduler(...) as sched:`. Without `runtime` it makes its own
     (backend "auto") at entry and closes it at exit; `auto_flush_ms=None` turns the timer off;
     `max_pending` queued ops force a flush (ValueError for out-of-range knobs)."""
-    return Scheduler(runtime, SchedulerConfig(size_threshold, auto_flush_ms, fuse, max_pending))
+    config = SchedulerConfig(size_threshold, auto_flush_ms, fuse, max_pending)
+    return Scheduler(runtime, config) if runtime is not None else _with_own_runtime(config)
+
+
+@contextlib.contextmanager
+def _with_own_runtime(config: SchedulerConfig) -> Iterator[Scheduler]:
+    """A scheduler over a runtime made at entry and closed at exit, after the last flush."""
+    with Runtime("auto") as runtime, Scheduler(runtime, config) as sched:
+        yield sched

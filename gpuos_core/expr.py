@@ -9,9 +9,10 @@ Grammar, loosest binding first (binary operators are left-associative; compariso
     atom           := number | A | B | C | s0..s3 | name '(' [comparison (',' comparison)*] ')'
                     | '(' comparison ')'
 
-`s0..s3` are the task's `scalars[0..3]`; `name` is a function of gpuos_core.mathlib (`where(c, x, y)`
-among them). One parse tree yields the canonical text (the cache key), the CUDA expression and the
-torch reference, so the three cannot disagree about what was parsed. Everything computes in fp32.
+`s0..s3` are the task's `scalars[0..3]`; `name` is a function of gpuos_core.mathlib
+(`where(c, x, y)` among them). One parse tree yields the canonical text (the cache key), the CUDA
+expression and the torch reference, so the three cannot disagree about what was parsed. Everything
+computes in fp32.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import math
 import operator
 import re
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar, Union
+from typing import TypeVar
 
 import torch
 
@@ -44,7 +46,8 @@ T = TypeVar("T")
 
 
 def _f32(value: float) -> float:
-    """`value` rounded to the nearest float32, as a python float; OverflowError past float32's range."""
+    """`value` rounded to the nearest float32, as a python float; OverflowError past float32's
+    range."""
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
@@ -162,7 +165,7 @@ class Call:
         return FUNCTIONS[self.fn].torch(*(a.torch(env) for a in self.args))
 
 
-Node = Union[Num, Input, Scalar, Neg, BinOp, Compare, Call]
+Node = Num | Input | Scalar | Neg | BinOp | Compare | Call
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,7 @@ class Expr:
     """A parsed, validated expression."""
 
     text: str           # as given
-    canonical: str      # fully parenthesised, numbers as repr(float), defaults filled in: the cache key
+    canonical: str      # fully parenthesised, numbers as repr(float), defaults filled in: cache key
     arity: int          # tensor inputs: the declared arity, else 1 + the highest letter used (A=1)
     num_scalars: int    # 1 + the highest s<k> used, else 0
     cuda: str           # C expression over `const float* a` (inputs) and `const float* s` (scalars)
@@ -196,7 +199,8 @@ _HINTS = {"^": ": use pow(x, y) for powers", "=": ": use == to compare", "&": ":
 
 
 def _tokenize(text: str) -> list[_Token]:
-    """The tokens of `text`, ending with an "end" token; ExpressionError at the first bad character."""
+    """The tokens of `text`, ending with an "end" token; ExpressionError at the first bad
+    character."""
     tokens, pos = [], 0
     while pos < len(text):
         match = _TOKEN.match(text, pos)
@@ -215,9 +219,10 @@ def _check_token(match: re.Match[str], text: str) -> None:
     """Rejects `**` and numbers run together with letters, digits or dots ("1e", "1.2.3", "2A")."""
     if match.lastgroup == "power":
         raise ExpressionError("'**' is not supported: use pow(x, y)", text, match.start())
-    if match.lastgroup == "number" and re.match(r"[A-Za-z0-9_.]", text[match.end():match.end() + 1]):
-        bad = re.match(r"[A-Za-z0-9_.]+", text[match.start():])
-        raise ExpressionError(f"malformed number {bad.group()!r}", text, match.start())
+    end = match.end()
+    if match.lastgroup == "number" and re.match(r"[A-Za-z0-9_.]", text[end:end + 1]):
+        bad = re.split(r"[^A-Za-z0-9_.]", text[match.start():], maxsplit=1)[0]
+        raise ExpressionError(f"malformed number {bad!r}", text, match.start())
 
 
 def _unknown(name: str) -> str:
@@ -226,8 +231,8 @@ def _unknown(name: str) -> str:
     close = [known[k] for k in difflib.get_close_matches(name.lower(), known, n=3, cutoff=0.6)]
     if close:
         return f"unknown name {name!r}; did you mean {' or '.join(map(repr, close))}?"
-    return (f"unknown name {name!r}: inputs are {', '.join(INPUTS)}, scalars s0..s{MAX_SCALARS - 1}, "
-            f"functions {', '.join(sorted(FUNCTIONS))}")
+    return (f"unknown name {name!r}: inputs are {', '.join(INPUTS)}, "
+            f"scalars s0..s{MAX_SCALARS - 1}, functions {', '.join(sorted(FUNCTIONS))}")
 
 
 class _Parser:
@@ -355,8 +360,8 @@ class _Parser:
     def scalar(self, token: _Token) -> Scalar:
         index = int(token.text[1:])
         if index >= MAX_SCALARS:
-            raise self.error(f"there is no scalar {token.text!r}: scalars are s0..s{MAX_SCALARS - 1}",
-                             token)
+            raise self.error(f"there is no scalar {token.text!r}: "
+                             f"scalars are s0..s{MAX_SCALARS - 1}", token)
         self.num_scalars = max(self.num_scalars, index + 1)
         return Scalar(index)
 
@@ -364,12 +369,14 @@ class _Parser:
         fn = FUNCTIONS.get(name.text)
         if fn is None:
             known = name.text in _VARIABLES
-            raise self.error(f"{name.text!r} is not a function" if known else _unknown(name.text), name)
+            raise self.error(f"{name.text!r} is not a function" if known
+                             else _unknown(name.text), name)
         opener = self.take()
         args = self.nested(opener, self.arguments)
         self.close(opener, "',' or ')'")
         if not fn.min_args <= len(args) <= fn.max_args:
-            raise self.error(f"{fn.name} takes {_count(fn.min_args, fn.max_args)}, got {len(args)}", name)
+            raise self.error(f"{fn.name} takes {_count(fn.min_args, fn.max_args)}, "
+                             f"got {len(args)}", name)
         missing = fn.defaults[len(args) - fn.min_args:]
         return Call(fn.name, (*args, *(Num(d) for d in missing)))
 
@@ -396,7 +403,8 @@ def parse(text: str, arity: int | None = None) -> Expr:
     has that arity even if it uses fewer inputs; without it the arity is inferred from the letters.
     Raises ExpressionError pointing at the offending token."""
     if arity is not None and not 1 <= arity <= len(INPUTS):
-        raise ExpressionError(f"the declared arity must be 1 to {len(INPUTS)}, got {arity}", text, 0)
+        raise ExpressionError(f"the declared arity must be 1 to {len(INPUTS)}, got {arity}",
+                              text, 0)
     if len(text) > MAX_EXPR_CHARS:
         raise ExpressionError(f"expression is {len(text)} characters long; the limit is "
                               f"{MAX_EXPR_CHARS}", text, MAX_EXPR_CHARS)
@@ -406,15 +414,18 @@ def parse(text: str, arity: int | None = None) -> Expr:
     tree = parser.expression()
     if parser.num_inputs == 0:
         raise ExpressionError("the expression uses no input: use at least one of A, B, C", text, 0)
-    return Expr(text, tree.canonical(), arity or parser.num_inputs, parser.num_scalars, tree.cuda(), tree)
+    return Expr(text, tree.canonical(), arity or parser.num_inputs, parser.num_scalars,
+                tree.cuda(), tree)
 
 
-def evaluate(expr: Expr, inputs: Sequence[torch.Tensor], scalars: Sequence[float] = ()) -> torch.Tensor:
+def evaluate(expr: Expr, inputs: Sequence[torch.Tensor], scalars: Sequence[float] = ()
+             ) -> torch.Tensor:
     """The torch reference of `expr`: inputs are upcast to float32 and broadcast together, scalars
     rounded to float32. Returns a new contiguous float32 tensor of the inputs' broadcast shape (the
     caller casts). Raises TensorSpecError for a wrong number of inputs or too few scalars."""
     if len(inputs) != expr.arity:
-        raise TensorSpecError(f"expression {expr.text!r} takes {expr.arity} input(s), got {len(inputs)}")
+        raise TensorSpecError(f"expression {expr.text!r} takes {expr.arity} input(s), "
+                              f"got {len(inputs)}")
     if len(scalars) < expr.num_scalars:
         raise TensorSpecError(f"expression {expr.text!r} uses s{expr.num_scalars - 1}, "
                               f"got {len(scalars)} scalar(s)")

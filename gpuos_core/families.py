@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .abi import MAX_DIMS
-from .calls import Params, Prepared
+from .calls import LaidOut, Params
 from .errors import TensorSpecError
 from .expr import Expr, evaluate
 from .sampler import sample_rows
@@ -56,7 +56,8 @@ class Family:
         raise NotImplementedError
 
     def derived_scalar(self, name: str, inputs: Tensors) -> float | None:
-        """Value of a parameter the caller left out and that has no default, if the family has one."""
+        """Value of a parameter the caller left out and that has no default, if the family has
+        one."""
         return None
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
@@ -79,7 +80,7 @@ class Family:
         value = self.compute([x.float() if x.is_floating_point() else x for x in xs], p, expr)
         write_items(out, value, begin, end, self.rows_are_items)
 
-    def ranges(self, task: Prepared, tile_elements: int | None) -> list[tuple[int, int]]:
+    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
         """The work items [begin, end) of each of the task's records, in order: tiles of about
         `tile_elements` elements of work each (counted in its largest input), one record when
         None. Families whose kernels need a plan of their own override it."""
@@ -103,7 +104,8 @@ def write_items(out: torch.Tensor, value: torch.Tensor, begin: int, end: int, ro
         offsets += (index % size) * stride
         index //= size
     flat = out.as_strided((out.untyped_storage().nbytes() // out.element_size(),), (1,), 0)
-    flat[offsets + out.storage_offset()] = value.reshape(-1)[begin * width:end * width].to(out.dtype)
+    rows = value.reshape(-1)[begin * width:end * width]
+    flat[offsets + out.storage_offset()] = rows.to(out.dtype)
 
 
 def _broadcast(shapes: Sequence[Sequence[int]], what: str) -> tuple[int, ...]:
@@ -127,7 +129,8 @@ def _broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
 
 def _check_ndim(shape: Sequence[int], what: str, least: int = 0) -> None:
     if not least <= len(shape) <= MAX_DIMS:
-        raise TensorSpecError(f"{what} must have {least} to {MAX_DIMS} dims, got shape {tuple(shape)}")
+        raise TensorSpecError(f"{what} must have {least} to {MAX_DIMS} dims, "
+                              f"got shape {tuple(shape)}")
 
 
 def _rows(shape: Sequence[int]) -> int:
@@ -213,8 +216,9 @@ class AddNormFamily(RowFamily):
             raise TensorSpecError(f"{self.name}: input 1 (the residual y) must have the shape of "
                                   f"input 0 (x) {tuple(x.shape)}, got {tuple(y.shape)}")
         if any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride())):
-            raise TensorSpecError(f"{self.name}: input 0 (x) is updated in place, so it must not be "
-                                  f"an expanded view (a dim of stride 0), got strides {x.stride()}")
+            raise TensorSpecError(f"{self.name}: input 0 (x) is updated in place, so it must not "
+                                  f"be an expanded view (a dim of stride 0), got strides "
+                                  f"{x.stride()}")
         self._check_params(x, inputs, first=2)
         return Layout(tuple(inputs), tuple(x.shape), tuple(x.shape), _rows(x.shape))
 
@@ -276,8 +280,10 @@ class RotaryFamily(Family):
         x, cos, sin = inputs[:3]
         _check_ndim(x.shape, "rotary input 0", least=1)
         if x.shape[-1] % 2:
-            raise TensorSpecError(f"rotary: the last dim of input 0 must be even, got {tuple(x.shape)}")
+            raise TensorSpecError(f"rotary: the last dim of input 0 must be even, "
+                                  f"got {tuple(x.shape)}")
         lead, h = tuple(x.shape[:-1]), x.shape[-1] // 2
+        views: tuple[torch.Tensor, ...]
         if len(inputs) > 3:
             if cos.dim() != 2 or cos.shape[0] < 1 or cos.shape[1] != h or sin.shape != cos.shape:
                 raise TensorSpecError(
@@ -288,7 +294,8 @@ class RotaryFamily(Family):
             half = lead + (h,)
             for name, t in (("cos", cos), ("sin", sin)):
                 if _broadcast([t.shape, half], f"rotary {name}") != half:
-                    raise TensorSpecError(f"rotary: {name} {tuple(t.shape)} must broadcast to {half}")
+                    raise TensorSpecError(f"rotary: {name} {tuple(t.shape)} must broadcast to "
+                                          f"{half}")
             views = (x, cos.expand(half), sin.expand(half))
         return Layout(views, tuple(x.shape), tuple(x.shape), _rows(x.shape))
 
@@ -362,7 +369,7 @@ class AttentionFamily(Family):
         picked = [x[at].float() if x.is_floating_point() else x[at] for x in xs]
         out[at] = self.compute(picked, p, expr).to(out.dtype)
 
-    def ranges(self, task: Prepared, tile_elements: int | None) -> list[tuple[int, int]]:
+    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
         """Records of neighbouring items, ATTENTION_RECORDS_PER_SM per multiprocessor at most (so
         that blocks claiming them even out ragged rows); one record when None."""
         if tile_elements is None:
@@ -386,7 +393,8 @@ class ScatterRowsFamily(Family):
         src, index = inputs
         _check_ndim(src.shape, "scatter_rows src", least=1)
         if src.shape[-1] < 1:
-            raise TensorSpecError(f"scatter_rows: src rows must not be empty, got {tuple(src.shape)}")
+            raise TensorSpecError(f"scatter_rows: src rows must not be empty, "
+                                  f"got {tuple(src.shape)}")
         views = (src, _index(index, tuple(src.shape[:-1]), "scatter_rows index"))
         return Layout(views, (), (), _rows(src.shape))  # out's shape: fit_out
 
@@ -451,7 +459,8 @@ class SampleFamily(Family):
     """Next-token choice on the device: one int32 token id per row of logits [..., V] from the
     row's params (float32 [..., 3]: temperature, top_p, top_k) and rng (int32 [..., 3]: seed low
     and high words, step), tensors because they change every step. The rule is stated in
-    cuda/ops/sample.cuh and run in torch by sampler.sample_rows. Items are rows (output elements)."""
+    cuda/ops/sample.cuh and run in torch by sampler.sample_rows. Items are rows (output
+    elements)."""
 
     name, header, macro = "sample_tokens", "ops/sample.cuh", "GPUOS_DEFINE_SAMPLE_TOKENS"
     index_inputs = {2: "rng"}
@@ -560,7 +569,7 @@ class LinearPlan:
         return self.counters + self.splits * self.tiles * self.prows * LINEAR_COLS
 
     @classmethod
-    def choose(cls, m: int, n: int, k: int, sms: int) -> "LinearPlan":
+    def choose(cls, m: int, n: int, k: int, sms: int) -> LinearPlan:
         """The split of K that should finish soonest on `sms` multiprocessors (a block each): enough
         items to occupy them, against the cost of writing and summing partials."""
         steps = _ceil_div(k, LINEAR_KSTEP)
@@ -578,7 +587,7 @@ class LinearPlan:
         return _ceil_div(self.items, sms) * (self.kch + LINEAR_ITEM_COST + partial) + combine
 
     @classmethod
-    def of(cls, x: torch.Tensor, w: torch.Tensor, workspace: torch.Tensor) -> "LinearPlan":
+    def of(cls, x: torch.Tensor, w: torch.Tensor, workspace: torch.Tensor) -> LinearPlan:
         """The plan of encoded inputs, `splits` read from the workspace's length as the device
         reads it."""
         plan = cls(_rows(x.shape), w.shape[0], x.shape[-1], 1)
@@ -640,7 +649,7 @@ class LinearFamily(Family):
         mask = rows.repeat_interleave(LINEAR_COLS, 1)[:, :plan.n].reshape(out.shape)
         out[mask] = value[mask].to(out.dtype)
 
-    def ranges(self, task: Prepared, tile_elements: int | None) -> list[tuple[int, int]]:
+    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
         """At most one record per multiprocessor, of neighbouring items (a record streams its
         items' weights back to back); one record when None."""
         if tile_elements is None:
@@ -709,7 +718,7 @@ class AttentionPlan:
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
-           ) -> "AttentionPlan":
+           ) -> AttentionPlan:
         """The plan of encoded views (lengths over q's leading dims, then anything): enough splits
         that the items cover ATTENTION_ITEMS_PER_SM times the SMs, when the keys allow."""
         lead, group = q.shape[:-1], 1

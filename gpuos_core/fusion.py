@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from .abi import MAX_SCALARS
 from .catalogue import CATALOGUE
-from .expr import INPUTS, MAX_EXPR_CHARS, BinOp, Call, Input, Neg, Num, Scalar, Node as ExprNode
+from .expr import INPUTS, MAX_EXPR_CHARS, BinOp, Call, Input, Neg, Node as ExprNode, Num, Scalar
 from .lowering import Build
 from .pending import Node, Operand
 
@@ -32,9 +32,9 @@ class Form:
     """An elementwise node as an expression over tensor leaves and scalar parameters."""
 
     tree: ExprNode
-    leaves: tuple[Union[torch.Tensor, Node], ...]  # Input(k) reads leaves[k]
-    scalars: tuple[float, ...]                       # Scalar(k) reads scalars[k]
-    inlined: frozenset[int] = frozenset()            # ids of nodes computed inside this form
+    leaves: tuple[torch.Tensor | Node, ...]  # Input(k) reads leaves[k]
+    scalars: tuple[float, ...]               # Scalar(k) reads scalars[k]
+    inlined: frozenset[int] = frozenset()    # ids of nodes computed inside this form
 
 
 def forms_of(nodes: Sequence[Node], fuse: bool) -> dict[int, Form]:
@@ -47,9 +47,9 @@ def forms_of(nodes: Sequence[Node], fuse: bool) -> dict[int, Form]:
         parts = [_part(x, found, fuse) for x in n.operands]
         form = _combine(parts, n.build)
         while not _fits(form):  # materialise the widest inlined producer instead
-            k = max((i for i, x in enumerate(n.operands) if isinstance(x, Node)
-                     and parts[i].leaves != (x,)), key=lambda i: len(parts[i].leaves))
-            parts[k] = Form(Input(0), (n.operands[k],), ())
+            k, widest = max(((i, x) for i, x in enumerate(n.operands) if isinstance(x, Node)
+                             and parts[i].leaves != (x,)), key=lambda ix: len(parts[ix[0]].leaves))
+            parts[k] = Form(Input(0), (widest,), ())
             form = _combine(parts, n.build)
         found[id(n)] = form
     return found

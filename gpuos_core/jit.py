@@ -125,7 +125,7 @@ class CompileSpec:
         The include path itself is left out, so moving the checkout keeps the cache valid.
         """
         digest = hashlib.sha256()
-        version = "%d.%d" % nvrtc_version()
+        version = "{}.{}".format(*nvrtc_version())
         _update(digest, self.source.encode(), _headers_digest(CUDA_DIR))
         _update(digest, self.arch.encode(), version.encode())
         _update(digest, *(option.encode() for option in (*_BASE_OPTIONS, *self.options)))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .catalogue import FLOAT_DTYPES
-from .expr import BinOp, Call, Neg, Num, Node as ExprNode
+from .expr import BinOp, Call, Neg, Node as ExprNode, Num
 
 aten = torch.ops.aten
 Build = Callable[[Sequence[ExprNode]], ExprNode]

@@ -4,14 +4,14 @@ the torch reference. Adding a function means one row here and one device functio
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping, Union
 
 import torch
 import torch.nn.functional as F
 
-Operand = Union[torch.Tensor, float]
+Operand = torch.Tensor | float
 
 
 @dataclass(frozen=True)
@@ -22,13 +22,14 @@ class MathFn:
     min_args: int                 # required arguments
     max_args: int                 # min_args + len(defaults)
     defaults: tuple[float, ...]   # values of the trailing optional arguments, in order
-    cuda: str                     # `__device__ float` function of cuda/ops/math.cuh taking max_args floats
-    torch: Callable[..., torch.Tensor]  # fp32 reference; takes max_args tensors or floats, broadcasts
+    cuda: str                     # `__device__ float` function of cuda/ops/math.cuh (max_args)
+    torch: Callable[..., torch.Tensor]  # fp32 reference: max_args tensors or floats, broadcast
 
 
 def _fp32_args(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Wraps `fn` so that every argument, tensor or python float, reaches it as a float32 tensor on the
-    device of the first tensor argument: floats become 0-dim tensors, so all arguments broadcast."""
+    """Wraps `fn` so that every argument, tensor or python float, reaches it as a float32 tensor on
+    the device of the first tensor argument: floats become 0-dim tensors, so all arguments
+    broadcast."""
 
     @functools.wraps(fn)
     def call(*args: Operand) -> torch.Tensor:
@@ -62,7 +63,8 @@ def _where(cond: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
 
 def _fn(name: str, ref: Callable[..., torch.Tensor], min_args: int = 1,
         defaults: tuple[float, ...] = ()) -> MathFn:
-    return MathFn(name, min_args, min_args + len(defaults), defaults, f"gpuos_{name}", _fp32_args(ref))
+    return MathFn(name, min_args, min_args + len(defaults), defaults, f"gpuos_{name}",
+                  _fp32_args(ref))
 
 
 FUNCTIONS: Mapping[str, MathFn] = MappingProxyType({f.name: f for f in (

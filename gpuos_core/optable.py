@@ -49,18 +49,18 @@ class OpTable:
     def names(self) -> tuple[str, ...]:
         return tuple(self.active)
 
-    def added(self, spec: OpSpec) -> tuple["OpTable", OpVersion]:
+    def added(self, spec: OpSpec) -> tuple[OpTable, OpVersion]:
         """Table with a new operator at version 1."""
         if spec.name in self.active:
             raise OperatorExistsError(f"operator {spec.name!r} exists: swap it to change it")
         return self._with(spec.name, OpVersion(spec, 1), ())
 
-    def swapped(self, spec: OpSpec) -> tuple["OpTable", OpVersion]:
+    def swapped(self, spec: OpSpec) -> tuple[OpTable, OpVersion]:
         """Table whose current version of `spec.name` is a new version made from `spec`."""
         made = OpVersion(spec, len(self.history[self._known(spec.name)]) + 1)
         return self._with(spec.name, made, self.active[spec.name])
 
-    def rolled_back(self, name: str) -> tuple["OpTable", OpVersion]:
+    def rolled_back(self, name: str) -> tuple[OpTable, OpVersion]:
         """Table whose current version of `name` is the one active before the last change."""
         stack = self._stack(name)
         if len(stack) < 2:
@@ -75,7 +75,7 @@ class OpTable:
         return tuple(v for name in self.active for v in self._stack(name)[-2:])
 
     def _with(self, name: str, made: OpVersion, stack: tuple[OpVersion, ...]
-              ) -> tuple["OpTable", OpVersion]:
+              ) -> tuple[OpTable, OpVersion]:
         history, active = dict(self.history), dict(self.active)
         history[name] = history.get(name, ()) + (made,)
         active[name] = stack + (made,)

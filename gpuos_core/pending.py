@@ -78,7 +78,8 @@ class Pending:
         out = torch.empty(shape, dtype=dtype, device=device)
         storage, dead = storage_of(out), self._dead
         # Called when the result dies (any thread): queued, applied under the lock by reap.
-        ref = weakref.ref(out, lambda _, e=self._epoch, k=id(out): dead.append((e, k, storage)))
+        epoch, key = self._epoch, id(out)
+        ref = weakref.ref(out, lambda _: dead.append((epoch, key, storage)))
         node = Node(operands, shape, dtype, ref, device=device, **kind)
         self._by_id[id(out)] = node
         self._results[storage] += 1

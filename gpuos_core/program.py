@@ -95,7 +95,8 @@ def span(t: torch.Tensor) -> Span | None:
     if t.numel() == 0:
         return None
     last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-    return t.untyped_storage().data_ptr(), t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    start = t.data_ptr()
+    return t.untyped_storage().data_ptr(), start, start + (last + 1) * t.element_size()
 
 
 @dataclass
@@ -149,7 +150,7 @@ def reduce_edges(found: Sequence[set[int]], after: Sequence[tuple[int, ...]]
     ancestor bitsets: Python ints, one bit per task)."""
     ancestors: list[int] = []
     out = []
-    for i, (flow, extra) in enumerate(zip(found, after)):
+    for flow, extra in zip(found, after):
         direct = sorted(flow.union(extra))
         reach = 0
         for d in direct:
@@ -181,7 +182,7 @@ def plan_events(tasks: Sequence[Prepared], deps: Sequence[tuple[int, ...]]) -> _
     """Events of producers, waits of consumers, join records where a task has more producers than
     a record can wait for. Records of a task: its joins, then its tiles."""
     producers = {d for ds in deps for d in ds}
-    plan, event_of = _Plan(), {}
+    plan, event_of = _Plan(), dict[int, int]()
     for i, (task, ds) in enumerate(zip(tasks, deps)):
         waits = tuple((event_of[d], len(tasks[d].records)) for d in ds)
         joins = 0

@@ -19,7 +19,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,12 +29,12 @@ from .abi import TASK, encode_task
 from .backends.base import Backend
 from .backends.cpu import CpuBackend
 from .batch import Batch
-from .calls import OpCall, Prepared
+from .calls import LaidOut, OpCall, Prepared
 from .canary import run_sandboxed
 from .catalogue import OpSpec, expression_spec, new_version, prepare
+from .config import RuntimeConfig
 from .errors import BackendUnavailableError, RawCudaDisabledError, RuntimeClosedError
 from .image import ImageBuild, build_image, compile_version
-from .config import RuntimeConfig
 from .jit import JitCache, device_arch, supported_archs
 from .optable import Image, OpTable, OpVersion, catalogue_table
 from .program import Program, ProgramBuilder
@@ -65,7 +65,7 @@ class _State:
     aliases: dict[str, int]  # logical name → physical slot of its current version
 
     @classmethod
-    def of(cls, table: OpTable, image: Image) -> "_State":
+    def of(cls, table: OpTable, image: Image) -> _State:
         return cls(table, image, image.aliases(table))
 
     @functools.cached_property
@@ -172,9 +172,9 @@ class Runtime:
         """Validate one call against its operator, allocate its output and encode its records
         (TensorSpecError, UnknownOperatorError). Costs the caller, not the flush: no device work."""
         task = prepare(self._state.table.current(call.op).spec, call, self.device)
-        return replace(task, records=encode_records(task, self._backend.tile_elements))
+        return Prepared.encoded(task, encode_records(task, self._backend.tile_elements))
 
-    def submit(self, tasks: "Sequence[Prepared] | TaskList | Program") -> Batch:
+    def submit(self, tasks: Sequence[Prepared] | TaskList | Program) -> Batch:
         """Enqueue tasks as one batch, resolving each operator to the physical slot of its current
         version now. Blocks only while a swap holds submissions (milliseconds). A TaskList (see
         `encode`) can be submitted again and again without re-encoding. A Program runs its whole
@@ -274,7 +274,7 @@ class Runtime:
             self._drain()
         self._backend.close()
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -327,7 +327,7 @@ class Runtime:
             batch.wait(max(0.0, deadline - time.monotonic()))
 
 
-def encode_records(task: Prepared, tile_elements: int | None) -> np.ndarray:
+def encode_records(task: LaidOut, tile_elements: int | None) -> np.ndarray:
     """The task's ABI records: one per range of work items its family chooses for tiles of about
     `tile_elements` elements of work (one record when None); op_slot is left for submit to
     resolve."""

@@ -66,46 +66,46 @@ def _kth_largest(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return values.gather(-1, (k - 1).clamp(0, values.shape[-1] - 1)[:, None])[:, 0]
 
 
-def _top_k(l: torch.Tensor, kept: torch.Tensor, k: torch.Tensor, use: torch.Tensor
+def _top_k(z: torch.Tensor, kept: torch.Tensor, k: torch.Tensor, use: torch.Tensor
            ) -> torch.Tensor:
     """kept narrowed, in rows where `use`, to tokens at or above the k-th largest kept logit (all
     of kept when it holds at most k tokens)."""
     if not use.any():
         return kept
-    ranked = l.masked_fill(~kept, -torch.inf).sort(dim=-1, descending=True).values
+    ranked = z.masked_fill(~kept, -torch.inf).sort(dim=-1, descending=True).values
     use = use & (k < kept.sum(dim=-1))
-    return kept & (~use[:, None] | (l >= _kth_largest(ranked, k)[:, None]))
+    return kept & (~use[:, None] | (z >= _kth_largest(ranked, k)[:, None]))
 
 
-def _top_p(l: torch.Tensor, kept: torch.Tensor, m: torch.Tensor, temp: torch.Tensor,
+def _top_p(z: torch.Tensor, kept: torch.Tensor, m: torch.Tensor, temp: torch.Tensor,
            top_p: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
     """kept narrowed, in rows where `use`, to logits >= v*, the largest kept logit whose kept
-    tokens at or above it hold at least top_p of kept's mass exp((l - m) / T) (float64)."""
+    tokens at or above it hold at least top_p of kept's mass exp((z - m) / T) (float64)."""
     if not use.any():
         return kept
-    ranked = l.masked_fill(~kept, -torch.inf).sort(dim=-1, descending=True).values
+    ranked = z.masked_fill(~kept, -torch.inf).sort(dim=-1, descending=True).values
     mass = torch.exp((ranked.double() - m.double()[:, None]) / temp.double()[:, None])
     cum = mass.cumsum(dim=-1)  # masked tokens weigh exp(-inf) = 0
     crossing = (cum < top_p.double()[:, None] * cum[:, -1:]).sum(dim=-1)
-    return kept & (~use[:, None] | (l >= _kth_largest(ranked, crossing + 1)[:, None]))
+    return kept & (~use[:, None] | (z >= _kth_largest(ranked, crossing + 1)[:, None]))
 
 
 def sample_rows(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
     """One int32 token id per row of logits [R, V] (any float dtype; -inf masks a token, never
     NaN or +inf) under params float32 [R, 3] = (temperature, top_p, top_k) and rng int32 [R, 3]
     (rng_rows); the rule of cuda/ops/sample.cuh, steps 1-5."""
-    l = logits.float()
+    z = logits.float()
     temp, top_p, top_k = params.float().unbind(-1)
-    m, arg = l.max(dim=-1)  # the first index of the max, like torch.argmax
+    m, arg = z.max(dim=-1)  # the first index of the max, like torch.argmax
     k = top_k.nan_to_num(0.0).clamp(-2.0**31, 2.0**31 - 1).long()
     sampled = (temp > 0) & (k != 1) & m.isfinite()
     if not sampled.any():
         return arg.int()
-    kept = l >= (m - WINDOW * temp)[:, None]
-    kept = _top_k(l, kept, k, sampled & (k > 1))
-    kept = _top_p(l, kept, m, temp, top_p, sampled & (top_p < 1))
+    kept = z >= (m - WINDOW * temp)[:, None]
+    kept = _top_k(z, kept, k, sampled & (k > 1))
+    kept = _top_p(z, kept, m, temp, top_p, sampled & (top_p < 1))
     rows, cols = (kept & sampled[:, None]).nonzero(as_tuple=True)
     g = gumbel_noise(_uniform_words(cols, rng[rows]))
-    keys = torch.full_like(l, -torch.inf)
-    keys[rows, cols] = (l[rows, cols] - m[rows]) + temp[rows] * g
+    keys = torch.full_like(z, -torch.inf)
+    keys[rows, cols] = (z[rows, cols] - m[rows]) + temp[rows] * g
     return torch.where(sampled, keys.argmax(dim=-1), arg).int()

@@ -35,11 +35,10 @@ class TaskList:
     pinned: bool = False        # records come from Backend.host_records: copied from directly
     # The published state whose slots `records` hold, and each task's version under it: a
     # resubmission under the same state skips resolving again (microseconds per submit).
-    resolved_for: Resolution | None = field(default=None, repr=False)
-    versions: np.ndarray | None = field(default=None, repr=False)
+    resolved: tuple[Resolution, np.ndarray] | None = field(default=None, repr=False)
 
     @classmethod
-    def alone(cls, task: Prepared) -> "TaskList":
+    def alone(cls, task: Prepared) -> TaskList:
         """`task` as a TaskList of its own, over a copy of its records (resolving writes them).
         Copied as bytes: a structured-dtype copy costs four times as much."""
         owners = np.zeros(len(task.records), dtype=np.int32)
@@ -49,18 +48,20 @@ class TaskList:
     def resolve(self, state: Resolution, idle: bool = False) -> np.ndarray:
         """Write each record's physical slot under `state`; the version of each task. `idle`:
         no earlier submission of these records can still be copying them."""
-        if self.resolved_for is not state:
-            if self.resolved_for is not None and self.pinned and not idle:
+        if self.resolved is not None:
+            if self.resolved[0] is state:
+                return self.resolved[1]
+            if self.pinned and not idle:
                 # An earlier submission may still be copying from these records (a rollback does
                 # not drain), so this one gets its own, staged like any pageable records.
                 self.records, self.pinned = self.records.copy(), False
-            # Join records (op -1) take the last entry, OP_NOP: they run no operator.
-            slots = np.array([*(state.aliases[name] for name in self.op_names), OP_NOP],
-                             dtype=np.int32)
-            self.records["op_slot"] = slots.take(self.op_of_record)
-            self.versions = state.slot_versions.take(slots.take(self.op_of_task))
-            self.resolved_for = state
-        return self.versions
+        # Join records (op -1) take the last entry, OP_NOP: they run no operator.
+        slots = np.array([*(state.aliases[name] for name in self.op_names), OP_NOP],
+                         dtype=np.int32)
+        self.records["op_slot"] = slots.take(self.op_of_record)
+        versions = state.slot_versions.take(slots.take(self.op_of_task))
+        self.resolved = (state, versions)
+        return versions
 
 
 def encode_batch(tasks: Sequence[Prepared], allocate: Callable[[int], np.ndarray]) -> TaskList:

@@ -2,8 +2,9 @@
 
 Each replica holds one runtime, one coalescer and its view of the operator registry. Its HTTP API
 (serving/routes.py) is built per replica by `__serve_build_asgi_app__`, so routes close over the
-replica's parts. The methods below the routes are called through a DeploymentHandle: `broadcast`
-reaches every replica (registry pushes, coalescer knobs, statistics, reports).
+services of the replica they use. The methods below the routes are called through a
+DeploymentHandle: `broadcast` reaches every replica (registry pushes, coalescer knobs,
+statistics, reports).
 """
 from __future__ import annotations
 
@@ -22,25 +23,25 @@ from ray.serve.handle import DeploymentHandle
 from gpuos_core import Runtime, RuntimeConfig
 
 from .coalescer import Coalescer
-from .completions import LlmService
+from .completions import CompletionServices, LlmService, completion_routes
 from .config import AppArgs, Backend, CoalescerConfig
 from .errors import RegistryDivergedError
 from .metrics import ReplicaMetrics
 from .registry import ChangeNote, RegistryState, RegistryStore, ReplicaRegistry
-from .routes import build_api
+from .routes import JsonRoute, Services, build_api
 from .schemas import ChangeResponse, ReadyResponse, ReplicaReport, ReplicaStats, admin_op
 from .watch import SwapWatch
 
-__all__ = ["AppArgs", "Backend", "GpuosIngress", "build_app", "replica_gpus"]
+__all__ = ["AppArgs", "Backend", "GpuosIngress", "GpuosReplica", "build_app", "replica_gpus"]
 log = logging.getLogger("gpuos.serving")
 BROADCAST_TIMEOUT_S = 120.0  # a push compiles on every replica (and canary-checks on CUDA)
 T = TypeVar("T")
 
 
-@serve.deployment
 @serve.ingress()
-class GpuosIngress:
-    """One replica: HTTP front door, runtime, coalescer and registry view."""
+class GpuosReplica:
+    """One replica: HTTP front door, runtime, coalescer and registry view. Deployed as
+    `GpuosIngress`."""
 
     def __init__(self, args: AppArgs) -> None:
         self.args = args
@@ -62,7 +63,13 @@ class GpuosIngress:
                  self.runtime.backend_reason, self.registry.store.path, applied.seq)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self)
+        services = Services(
+            args=self.args, replica_id=self.replica_id, admin_token=self.admin_token,
+            runtime=self.runtime, coalescer=self.coalescer, registry=self.registry,
+            watch=self.watch, metrics=self.metrics, readiness=self.readiness, change=self.change,
+            broadcast=self.broadcast)
+        completions = CompletionServices(self.llm, self.metrics.llm, self.watch)
+        return build_api(services, [completion_routes(completions, JsonRoute)])
 
     # -- Serve hooks -----------------------------------------------------------------------------
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -157,6 +164,10 @@ class GpuosIngress:
             timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True)
         failed = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
         return [r for r in results if not isinstance(r, BaseException)], failed
+
+
+# A function call rather than a class decorator: type checkers see the Deployment it makes.
+GpuosIngress = serve.deployment(name="GpuosIngress")(GpuosReplica)
 
 
 def replica_gpus(backend: Backend, cluster_gpus: float) -> int:

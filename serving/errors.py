@@ -27,13 +27,18 @@ from starlette.exceptions import HTTPException
 
 from gpuos_core import errors as core
 from gpuos_core.backends.cudadrv import CudaError
-from serving.llm.engine import (EngineClosedError, EngineFullError, NonFiniteLogitsError,
-                                PromptTooLongError)
+from serving.llm.engine import (
+    EngineClosedError,
+    EngineFullError,
+    NonFiniteLogitsError,
+    PromptTooLongError,
+)
 from serving.llm.model import KVCacheFullError, ModelLoadError
 from serving.llm.sampling import SamplingError
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
-OPENAI_PATHS = ("/v1/completions", "/v1/models")  # routes answering errors in OpenAI's shape
+# Routes that answer errors in OpenAI's shape.
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
 class ServingError(Exception):
@@ -178,7 +183,7 @@ def error_response(exc: BaseException, path: str) -> JSONResponse:
     """The HTTP answer for `exc` on a request for `path`: its status, the route's body shape,
     Retry-After on 503, a challenge on 401, Allow on 405."""
     status = status_of(exc)
-    if path.rstrip("/").endswith(OPENAI_PATHS):
+    if path.rstrip("/").endswith(OPENAI_PATHS) or path.startswith("/v1/models/"):
         if isinstance(exc, (RequestValidationError, pydantic.ValidationError)):
             status = 400  # OpenAI answers every malformed request with 400
         body = openai_body(exc, status)

@@ -1,4 +1,5 @@
-"""The HTTP API of one replica, built per replica around its runtime, coalescer and registry.
+"""The HTTP API of one replica, built per replica around the services it uses (`Services`: its
+runtime, coalescer, registry, swap watch, metrics, and the replica's own operations).
 
 Inference: GET /v1/ops, POST /v1/ops/{op}, GET /v1/stats; OpenAI-compatible POST /v1/completions
 and GET /v1/models (serving/completions.py). Health and metrics: /healthz, /readyz, /metrics.
@@ -16,8 +17,9 @@ import asyncio
 import hmac
 import json
 import secrets
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import pydantic
 import pydantic_core
@@ -33,42 +35,88 @@ from gpuos_core import GpuosError, Runtime, TaskFailedError
 from gpuos_core.canary import Comparison, compare_with_current
 from gpuos_core.catalogue import new_version
 
-from .completions import completion_routes
-from .config import ADMIN_TOKEN_ENV, CoalescerConfig
+from .coalescer import Coalescer
+from .config import ADMIN_TOKEN_ENV, AppArgs, CoalescerConfig
 from .errors import AdminAuthError, RequestTooLargeError, ServingError, error_response
-from .metrics import CONTENT_TYPE, exposition
-from .registry import ChangeNote
-from .schemas import (AdminOp, ChangeResponse, CoalescerUpdate, HealthResponse, OpRequest,
-                      OpResponse, OpsResponse, ReadyResponse, RegisterRequest, ReplicasResponse,
-                      StatsResponse, SwapRequest, admin_op, canary_report, check_output_size,
-                      error_responses, from_tensor, op_infos, stats_total, to_call)
-
-if TYPE_CHECKING:
-    from .app import GpuosIngress
+from .metrics import CONTENT_TYPE, ReplicaMetrics, exposition
+from .registry import ChangeNote, ReplicaRegistry
+from .schemas import (
+    AdminOp,
+    ChangeResponse,
+    CoalescerUpdate,
+    HealthResponse,
+    OpRequest,
+    OpResponse,
+    OpsResponse,
+    ReadyResponse,
+    RegisterRequest,
+    ReplicasResponse,
+    StatsResponse,
+    SwapRequest,
+    admin_op,
+    canary_report,
+    check_output_size,
+    error_responses,
+    from_tensor,
+    op_infos,
+    stats_total,
+    to_call,
+)
+from .watch import SwapWatch
 
 INLINE_JSON_BYTES = 1 << 16  # smaller bodies are parsed on the event loop (a thread costs more)
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+T = TypeVar("T")
+# Calls a method on every replica of the deployment: (results, failures as text).
+Broadcast = Callable[..., Awaitable[tuple[list[Any], list[str]]]]
 
 
-def build_api(replica: "GpuosIngress") -> FastAPI:
-    """The replica's FastAPI app: routes bound to `replica`, error handlers, body size limit."""
+class Change(Protocol):
+    """Makes the change `note` describes with `apply` on every replica (stored in the registry,
+    pushed to all): what `apply` returned, and the change's report."""
+
+    def __call__(self, note: ChangeNote, apply: Callable[[Runtime], T]
+                 ) -> Awaitable[tuple[T, ChangeResponse]]: ...
+
+
+@dataclass(frozen=True)
+class Services:
+    """What the routes of one replica use (serving/app.py builds it per replica)."""
+
+    args: AppArgs                          # limits: body bytes, tensor elements
+    replica_id: str                        # named in answers
+    admin_token: str | None                # bearer token of /admin; None: admin off (403)
+    runtime: Runtime
+    coalescer: Coalescer
+    registry: ReplicaRegistry
+    watch: SwapWatch
+    metrics: ReplicaMetrics
+    readiness: Callable[[], ReadyResponse]  # ready, or the reason it is not
+    change: Change
+    broadcast: Broadcast
+
+
+def build_api(replica: Services, routers: Sequence[APIRouter] = ()) -> FastAPI:
+    """The replica's FastAPI app: routes bound to `replica`'s services, then `routers` (built with
+    `JsonRoute`), error handlers, body size limit."""
     api = FastAPI(title="gpuos-serve", description="Coalesced GPU micro-operations on Ray Serve")
-    _install_errors(api, replica)
+    _install_errors(api, replica.metrics)
     api.add_middleware(BodyLimit, limit=replica.args.max_body_bytes(),
                        on_reject=lambda: replica.metrics.error("RequestTooLargeError", 413))
     api.include_router(_health_routes(replica))
     api.include_router(_inference_routes(replica))
     api.include_router(_admin_routes(replica))
-    api.include_router(completion_routes(replica, JsonRoute))
+    for router in routers:
+        api.include_router(router)
     return api
 
 
-def _install_errors(api: FastAPI, replica: "GpuosIngress") -> None:
+def _install_errors(api: FastAPI, metrics: ReplicaMetrics) -> None:
     async def answer(request: Request, exc: Exception) -> Response:
         response = error_response(exc, request.url.path)
         if response.status_code == 405:  # Starlette's Allow names the first route's methods only
             response.headers["Allow"] = ", ".join(_methods(api, request.url.path))
-        replica.metrics.error(type(exc).__name__, response.status_code)
+        metrics.error(type(exc).__name__, response.status_code)
         return response
 
     # Raised on purpose: answered here. Anything else is a bug: Starlette's outermost middleware
@@ -175,7 +223,7 @@ class JsonRoute(APIRoute):
 
 
 # -- routes ------------------------------------------------------------------------------------
-def _health_routes(replica: "GpuosIngress") -> APIRouter:
+def _health_routes(replica: Services) -> APIRouter:
     router = APIRouter(tags=["health"], route_class=JsonRoute)
 
     @router.get("/healthz")
@@ -199,7 +247,7 @@ def _health_routes(replica: "GpuosIngress") -> APIRouter:
     return router
 
 
-def _inference_routes(replica: "GpuosIngress") -> APIRouter:
+def _inference_routes(replica: Services) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["inference"], route_class=JsonRoute)
 
     @router.get("/ops")
@@ -239,7 +287,7 @@ def _inference_routes(replica: "GpuosIngress") -> APIRouter:
     return router
 
 
-def _admin_routes(replica: "GpuosIngress") -> APIRouter:
+def _admin_routes(replica: Services) -> APIRouter:
     def authorize(authorization: str | None = Header(None)) -> None:
         _check_token(replica.admin_token, authorization)
 

@@ -26,9 +26,9 @@ from .errors import RequestTooLargeError, TensorDataError, finite_json
 from .registry import Action, ChangeRecord, VersionRecord, version_record
 
 Dtype = Literal["float32", "float16", "bfloat16"]
-DTYPES: Mapping[str, torch.dtype] = {
+DTYPES: Mapping[Dtype, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_NAMES: Mapping[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES: Mapping[torch.dtype, Dtype] = {v: k for k, v in DTYPES.items()}
 NonFinite = Literal["NaN", "Infinity", "-Infinity"]
 NONFINITE: Mapping[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 MAX_DIMS = 8  # more than any operator takes (the runtime says which)

@@ -27,7 +27,7 @@ from .errors import ServingError
 from .registry import ChangeNote, ReplicaRegistry
 
 log = logging.getLogger("gpuos.serving.watch")
-# Makes the change `note` describes with `apply`, on every replica (GpuosIngress.change).
+# Makes the change `note` describes with `apply`, on every replica (GpuosReplica.change).
 Change = Callable[[ChangeNote, Callable[[Runtime], object]], Awaitable[object]]
 
 

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from cuda.bindings import driver as cu
 
-from ..abi import QUEUE, RAW_TASK, TASK
+from ..abi import QUEUE, RAW_TASK, TASK, field_offset
 from ..batch import Batch
+from ..config import CudaConfig
 from ..errors import StalledWorkerError
 from ..optable import Image
-from ..config import CudaConfig
 from .base import Backend
 from .cudadrv import NOT_READY, CudaError, PinnedBuffer, check, kernel_params
 
@@ -131,8 +131,8 @@ class CudaBackend(Backend):
         # Before our first launch, never again: changing it later blocks on running kernels.
         check(cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, self.config.stack_bytes),
               "cuCtxSetLimit(stack)")
-        self.arch = "sm_%d%d" % (self._attribute("COMPUTE_CAPABILITY_MAJOR"),
-                                 self._attribute("COMPUTE_CAPABILITY_MINOR"))
+        major, minor = (self._attribute(f"COMPUTE_CAPABILITY_{p}") for p in ("MAJOR", "MINOR"))
+        self.arch = f"sm_{major}{minor}"
         self.blocks = self._attribute("MULTIPROCESSOR_COUNT") * self.config.blocks_per_sm
         self._worker_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(worker)")
         self._copy_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(copy)")
@@ -155,14 +155,14 @@ class CudaBackend(Backend):
     def _allocate(self) -> None:
         ring_bytes = self.config.capacity * TASK.itemsize
         self._queue = int(check(cu.cuMemAlloc(QUEUE.itemsize), "cuMemAlloc(queue)"))
-        self._tail_address = self._queue + QUEUE.fields["tail"][1]
+        self._tail_address = self._queue + field_offset(QUEUE, "tail")
         self._ring = int(check(cu.cuMemAlloc(ring_bytes), "cuMemAlloc(ring)"))
         self._staging = PinnedBuffer(ring_bytes, mapped=False)
         self._stage_raw = self._staging.view(RAW_TASK)
         self._done_buf = PinnedBuffer(self.config.capacity * 8, mapped=True)
         self._done = self._done_buf.view(np.int64)
         self._done[:] = 0
-        self._claim_address = self._queue + QUEUE.fields["claim"][1]
+        self._claim_address = self._queue + field_offset(QUEUE, "claim")
         self._claim = self.config.max_claim  # the queue's claim limit as last written
         control = np.zeros(1, dtype=QUEUE)
         control["claim"] = self._claim
@@ -192,13 +192,14 @@ class CudaBackend(Backend):
         with self._lock:
             assert not self._pending, "load() with batches in flight"
             self._stop_worker()
-            module = check(cu.cuModuleLoadData(binary), f"cuModuleLoadData(image {image.generation})")
+            module = check(cu.cuModuleLoadData(binary),
+                           f"cuModuleLoadData(image {image.generation})")
             self._worker_fn = check(cu.cuModuleGetFunction(module, b"gpuos_worker"), "gpuos_worker")
             self._write_fn = check(cu.cuModuleGetFunction(module, b"gpuos_write_u64"), "write_u64")
             self._modules.append(module)
             if len(self._modules) > 2:  # nothing references the one before the previous image
                 check(cu.cuModuleUnload(self._modules.pop(0)), "cuModuleUnload")
-            self._write_u64(self._queue + QUEUE.fields["stop"][1], 0)
+            self._write_u64(self._queue + field_offset(QUEUE, "stop"), 0)
             check(cu.cuStreamSynchronize(self._copy_stream), "cuStreamSynchronize(copy)")
 
     def launch(self, batch: Batch) -> None:
@@ -313,8 +314,9 @@ class CudaBackend(Backend):
             return
         check((status,), "the previous worker launch")  # a sticky device fault surfaces here
         c = self.config
-        params, _args = kernel_params(self._queue, self._ring, c.capacity - 1, self._done_buf.device,
-                                     c.idle_us * 1000, c.lease_ms * 1_000_000)
+        params, _args = kernel_params(self._queue, self._ring, c.capacity - 1,
+                                      self._done_buf.device, c.idle_us * 1000,
+                                      c.lease_ms * 1_000_000)
         check(cu.cuLaunchKernel(self._worker_fn, self.blocks, 1, 1, c.block_threads, 1, 1, 0,
                                 self._worker_stream, params, 0), "worker launch")
         check(cu.cuEventRecord(self._worker_done, self._worker_stream), "cuEventRecord")
@@ -324,7 +326,7 @@ class CudaBackend(Backend):
         """Ask the worker to exit once the queue is empty and wait for it (lock held)."""
         if self._worker_fn is None:
             return
-        self._write_u64(self._queue + QUEUE.fields["stop"][1], 1)
+        self._write_u64(self._queue + field_offset(QUEUE, "stop"), 1)
         check(cu.cuStreamSynchronize(self._worker_stream), "cuStreamSynchronize(worker)")
 
     # -- completion ----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import ctypes
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from cuda.bindings import driver as cu
 
 from ..errors import GpuosError
@@ -29,10 +30,10 @@ def check(result: tuple[Any, ...], what: str) -> Any:
     return values[0] if len(values) == 1 else tuple(values) or None
 
 
-def host_array(ptr: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
+def host_array(ptr: int, nbytes: int, dtype: npt.DTypeLike) -> np.ndarray:
     """A numpy view of `nbytes` of host memory at `ptr` (pinned or mapped allocations)."""
     raw = (ctypes.c_byte * nbytes).from_address(ptr)
-    return np.frombuffer(raw, dtype=np.uint8).view(dtype)
+    return np.frombuffer(memoryview(raw), dtype=np.uint8).view(dtype)
 
 
 def kernel_params(*values: int) -> tuple[ctypes.Array, list[ctypes.c_uint64]]:
@@ -52,7 +53,7 @@ class PinnedBuffer:
         self.device = int(check(cu.cuMemHostGetDevicePointer(self.host, 0),
                                 "cuMemHostGetDevicePointer")) if mapped else 0
 
-    def view(self, dtype: np.dtype) -> np.ndarray:
+    def view(self, dtype: npt.DTypeLike) -> np.ndarray:
         return host_array(self.host, self.nbytes, dtype)
 
     def free(self) -> None:

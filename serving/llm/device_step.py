@@ -162,6 +162,7 @@ class ProgramOps:
         return self._add("linear", x, linear.weight, *bias)
 
     def rotary(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.tables is not None, "rotary() of a model without rotary embeddings"
         cos, sin = self.tables
         return self._add("rotary", x, cos, sin, self.inputs["positions"][:, None], out=x)
 
@@ -189,7 +190,8 @@ class ProgramOps:
         group, n = c.heads // c.kv_heads, rows.stop - rows.start
         heads = (n, c.kv_heads, group, c.head_dim)
 
-        def kv(cache: torch.Tensor) -> torch.Tensor:  # [slots, len, kv, d] -> [n, kv, group, len, d]
+        # [slots, len, kv, d] -> [n, kv, group, len, d]
+        def kv(cache: torch.Tensor) -> torch.Tensor:
             view = cache[slots].permute(0, 2, 1, 3)[:, :, None]
             return view.expand(n, c.kv_heads, group, *view.shape[-2:])
 

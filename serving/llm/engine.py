@@ -15,8 +15,8 @@ is found a step later, so it may run one row more, whose token is dropped (vLLM'
 scheduling makes the same trade).
 
 Requests join and leave at step boundaries. Memory is bounded: a fixed pool of KV slots; requests
-wait in a bounded queue for a free slot (EngineFullError beyond it). `micro_ops="torch"` runs the same
-forward eagerly with torch instead (the benchmark's baseline and the reference).
+wait in a bounded queue for a free slot (EngineFullError beyond it). `micro_ops="torch"` runs the
+same forward eagerly with torch instead (the benchmark's baseline and the reference).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -40,8 +40,8 @@ from gpuos_core.sampler import rng_rows, sample_rows
 from serving.llm.device_step import Layout, StepProgram, StepResult
 from serving.llm.forward import Span, TorchOps, forward
 from serving.llm.model import KVPool, Model, rotary_cos_sin
-from serving.llm.sampling import Detokenizer, SamplingParams, StopMatcher
-from serving.llm.tokenizer import Tokenizer
+from serving.llm.sampling import SamplingParams, StopMatcher
+from serving.llm.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("gpuos.llm")
 MicroOps = Literal["runtime", "torch"]
@@ -90,13 +90,15 @@ class _Stream:
         self.logits: list[torch.Tensor] | None = [] if keep_logits else None
         self.tokens: list[int] = []  # ids generated so far (the engine thread appends)
         self.token_times: list[float] = []  # time.perf_counter() when each was chosen
-        self._loop = loop
-        self._async: asyncio.Queue[Delta] | None = asyncio.Queue() if loop else None
+        # The consumer's event loop and the queue it reads (async), or None: a thread reads _sync.
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Delta]] | None = (
+            (loop, asyncio.Queue()) if loop else None)
         self._sync: queue.SimpleQueue[Delta] = queue.SimpleQueue()
 
     def put(self, delta: Delta) -> None:
         if self._async is not None:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, delta)
+            loop, deltas = self._async
+            loop.call_soon_threadsafe(deltas.put_nowait, delta)
         else:
             self._sync.put(delta)
 
@@ -110,8 +112,9 @@ class _Stream:
         self.cancelled = True
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
-        assert self._async is not None
-        while (delta := await self._async.get()).finish_reason is None:
+        assert self._async is not None, "submitted without a loop: iterate it in a thread"
+        _, deltas = self._async
+        while (delta := await deltas.get()).finish_reason is None:
             yield delta
         yield delta
 
@@ -123,7 +126,7 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     stream: _Stream
-    detok: Detokenizer
+    detok: TextStream
     stops: StopMatcher
     seed: int                     # Philox key of its draws (with the token's index as counter)
     generated: list[int] = field(default_factory=list)
@@ -140,10 +143,10 @@ class _Request:
         """Tokens of the sequence so far: prompt and generated."""
         return len(self.prompt) + len(self.generated)
 
-    def spent(self, eos: int | None, max_len: int) -> bool:
+    def spent(self, eos: frozenset[int], max_len: int) -> bool:
         """Whether its tokens so far end it (eos, max_tokens, the context), before its text is
         looked at: it must not run another row."""
-        done = self.generated and (self.generated[-1] == eos
+        done = self.generated and (self.generated[-1] in eos
                                     or len(self.generated) >= self.params.max_tokens)
         return bool(done) or self.length >= max_len
 
@@ -176,18 +179,68 @@ class NonFiniteLogitsError(GpuosError):
     request ends with this error rather than a meaningless token."""
 
 
+class _Forward(Protocol):
+    """How an engine runs a step's forward and sampling."""
+
+    def start(self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor,
+              keep_logits: bool) -> Callable[[], StepResult]:
+        """Start the step; the returned call waits for the tokens (and, when `keep_logits`,
+        logits) of each span's last row."""
+        ...
+
+
+class _TorchForward:
+    """The forward in torch, one launch per micro-op (micro_ops="torch": the baseline)."""
+
+    def __init__(self, model: Model, kv: KVPool) -> None:
+        self.model, self.kv = model, kv
+
+    def start(self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor,
+              keep_logits: bool) -> Callable[[], StepResult]:
+        logits = forward(self.model, TorchOps(self.model.config, self.kv, spans))
+        tokens = sample_rows(logits, params.to(logits.device), rng.to(logits.device))
+        done = StepResult(tokens.tolist(), logits.isfinite().all(-1).tolist(),
+                          logits.cpu() if keep_logits else None)
+        return lambda: done
+
+
+class _ProgramForward:
+    """The forward as one device program on the runtime per layout of spans, built on first use
+    (the last PROGRAMS layouts' programs kept)."""
+
+    PROGRAMS = 16  # step programs kept (by layout); the least recently used is dropped beyond
+
+    def __init__(self, runtime: Runtime, model: Model, kv: KVPool,
+                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.runtime, self.model, self.kv, self.rotary = runtime, model, kv, rotary
+        self._programs: OrderedDict[Layout, StepProgram] = OrderedDict()
+
+    def start(self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor,
+              keep_logits: bool) -> Callable[[], StepResult]:
+        program = self._program(Layout.of(spans, self.kv.slots))
+        return program.start(self.runtime, spans, params, rng, keep_logits, timeout=60)
+
+    def _program(self, layout: Layout) -> StepProgram:
+        if layout in self._programs:
+            self._programs.move_to_end(layout)
+            return self._programs[layout]
+        program = StepProgram(self.runtime, self.model, self.kv, layout, self.rotary)
+        self._programs[layout] = program
+        if len(self._programs) > self.PROGRAMS:
+            self._programs.popitem(last=False)
+        return program
+
+
 class Engine:
     """Continuous-batching generation over one model: each step one device program on a runtime
     (or the same forward in torch)."""
 
-    PROGRAMS = 16  # step programs kept (by layout); the least recently used is dropped beyond
-
     def __init__(self, model: Model, tokenizer: Tokenizer, runtime: Runtime | None,
                  config: EngineConfig | None = None) -> None:
+        """`runtime` may be None only with micro_ops="torch" (ValueError otherwise)."""
         self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
         if self.config.micro_ops == "runtime" and runtime is None:
             raise ValueError("micro_ops='runtime' needs a runtime")
-        self.runtime = runtime
         self.max_len = min(self.config.max_len or model.config.max_positions,
                            model.config.max_positions)
         w = model.weights.embed
@@ -195,8 +248,9 @@ class Engine:
                                   w.device)
         self._free = list(range(self.config.max_running))  # a heap: the lowest slot goes first,
         # which keeps decode rows (one per slot up to the highest in use) few
-        self._rotary = self._rotary_tables()
-        self._programs: OrderedDict[Layout, StepProgram] = OrderedDict()
+        self._forward: _Forward = (
+            _TorchForward(model, self.kv) if runtime is None or self.config.micro_ops == "torch"
+            else _ProgramForward(runtime, model, self.kv, self._rotary_tables()))
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._unsent: list[tuple[_Request, int]] = []  # tokens chosen, text not yet emitted
@@ -214,7 +268,7 @@ class Engine:
         self._check_fits(prompt)
         stream = _Stream(loop, keep_logits)
         seed = secrets.randbits(64) if params.seed is None else params.seed
-        request = _Request(list(prompt), params, stream, Detokenizer(self.tokenizer),
+        request = _Request(list(prompt), params, stream, self.tokenizer.detokenizer(),
                            StopMatcher(params.stop), seed)
         with self._lock:
             if self._closed:
@@ -297,7 +351,7 @@ class Engine:
         for r in self._running:
             if budget <= 0:
                 break
-            if r.spent(self.tokenizer.eos_id, self.max_len):
+            if r.spent(self.tokenizer.eos_ids, self.max_len):
                 continue  # ends at the next _emit
             take = r.pending_tokens()[:budget]
             requests.append(r)
@@ -311,25 +365,7 @@ class Engine:
         them, logits) of each span's last row."""
         params, rng = step.sampling()
         keep = any(r.stream.logits is not None for r in step.requests)
-        if self.config.micro_ops == "torch":
-            logits = forward(self.model, TorchOps(self.model.config, self.kv, step.spans))
-            tokens = sample_rows(logits, params.to(logits.device), rng.to(logits.device))
-            done = StepResult(tokens.tolist(), logits.isfinite().all(-1).tolist(),
-                              logits.cpu() if keep else None)
-            return lambda: done
-        program = self._program(Layout.of(step.spans, self.kv.slots))
-        return program.start(self.runtime, step.spans, params, rng, keep, timeout=60)
-
-    def _program(self, layout: Layout) -> StepProgram:
-        """The step program of `layout`, built on first use (kept for PROGRAMS layouts)."""
-        if layout in self._programs:
-            self._programs.move_to_end(layout)
-            return self._programs[layout]
-        program = StepProgram(self.runtime, self.model, self.kv, layout, self._rotary)
-        self._programs[layout] = program
-        if len(self._programs) > self.PROGRAMS:
-            self._programs.popitem(last=False)
-        return program
+        return self._forward.start(step.spans, params, rng, keep)
 
     def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos and sin [max_len, head_dim / 2] in the model's dtype (None without rotary)."""
@@ -337,7 +373,7 @@ class Engine:
         if c.rope_theta is None:
             return None
         cos, sin = rotary_cos_sin(torch.arange(self.max_len, device=w.device), c.head_dim,
-                                  c.rope_theta)
+                                  c.rope_theta, c.rope_scaling)
         half = c.head_dim // 2
         return cos[:, :half].to(w.dtype).contiguous(), sin[:, :half].to(w.dtype).contiguous()
 
@@ -373,7 +409,7 @@ class Engine:
 
     def _advance(self, r: _Request, token: int) -> None:
         """One token's text; `r.generated` already holds it."""
-        if token == self.tokenizer.eos_id:
+        if token in self.tokenizer.eos_ids:
             self._finish(r, r.stops.flush(), "stop")
             return
         text, stopped = r.stops.feed(r.detok.push(token))

@@ -18,8 +18,18 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from serving.llm.model import (KVCache, KVCacheFullError, KVPool, Linear, Model, ModelConfig,
-                               Norm, apply_rotary, attend, normalize)
+from serving.llm.model import (
+    KVCache,
+    KVCacheFullError,
+    KVPool,
+    Linear,
+    Model,
+    ModelConfig,
+    Norm,
+    apply_rotary,
+    attend,
+    normalize,
+)
 
 
 class MicroOps(Protocol):
@@ -125,7 +135,9 @@ class TorchOps:
         return linear(x)
 
     def rotary(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_rotary(x, self.positions, self.config.rope_theta)
+        theta = self.config.rope_theta
+        assert theta is not None, "rotary() of a model without rotary embeddings"
+        return apply_rotary(x, self.positions, theta, self.config.rope_scaling)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> torch.Tensor:

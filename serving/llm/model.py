@@ -1,10 +1,18 @@
-"""Decoder-only transformers of the GPT-2 and Llama families in Hugging Face format: configs, weights,
-KV caches and the torch reference functions of their layers.
+"""Decoder-only transformers in Hugging Face format: configs, weights, KV caches and the torch
+reference functions of their layers.
 
-A model directory holds `config.json` and `*.safetensors` (one file, or shards listed by
-`model.safetensors.index.json`) with Hugging Face tensor names. Both families are normalised into one
-`ModelConfig` and one `Weights` layout (every projection a `Linear` with torch's [out, in] weight; q/k/v
-fused into one `qkv`, Llama's gate/up fused into one `up`), so the engine runs one code path.
+Families (config.json `model_type`): `gpt2`, and the Llama layout: `llama` (Llama 1/2/3.x, with
+`rope_scaling` types `linear`, `dynamic`, `llama3` and `yarn`), `mistral` and `qwen2` (q/k/v biases,
+tied embeddings). A model directory holds `config.json` and `*.safetensors` (one file, or shards
+listed
+by `model.safetensors.index.json`) with Hugging Face tensor names. Every family is normalised into
+one
+`ModelConfig` and one `Weights` layout (every projection a `Linear` with torch's [out, in] weight
+and
+optional bias; q/k/v fused into one `qkv`, gate/up fused into one `up`), so the engine runs one code
+path. Tensors are read, cast and fused one layer at a time, so loading peaks at about one copy of
+the
+weights (plus one layer).
 
 The reference functions (`rms_norm`, `layer_norm`, `apply_rotary`, `attend`) take stacked rows and
 explicit positions; the forward over them is written once in forward.py. Torch only: Hugging Face
@@ -15,30 +23,34 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm  # type: ignore[import-untyped]
 
 from gpuos_core.errors import GpuosError
 
 log = logging.getLogger("gpuos.llm")
-Getter = Callable[[str], torch.Tensor]   # a tensor by its Hugging Face name
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
                                   "bfloat16": torch.bfloat16}
-# GPT-2 activation names of Hugging Face mapped to F.gelu's `approximate` argument ("tanh" is gelu_new).
+# GPT-2 activation names of Hugging Face mapped to F.gelu's `approximate` argument ("tanh" is
+# gelu_new).
 GPT2_GELU: dict[str, str] = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
                              "gelu": "none"}
 
 
 class ModelLoadError(GpuosError, ValueError):
-    """A model directory is missing a file or tensor, or uses a feature this loader does not support."""
+    """A model directory is missing a file or tensor, or uses a feature this loader does not
+    support."""
 
 
 class KVCacheFullError(GpuosError, RuntimeError):
@@ -46,7 +58,7 @@ class KVCacheFullError(GpuosError, RuntimeError):
     longer cache or finish the request."""
 
 
-# ---------------------------------------------------------------------------------------------- configs
+# ----------------------------------------------------------------------------------------- configs
 @dataclass(frozen=True)
 class ModelConfig:
     """Family-independent shape and numerics of a decoder; what the forward and the engine read."""
@@ -64,7 +76,32 @@ class ModelConfig:
     activation: str             # "gelu_tanh", "gelu" or "silu_glu"
     rope_theta: float | None    # rotary base; None for learned positions
     tie_embeddings: bool        # lm_head shares the token embedding
-    eos_token_id: int | None
+    eos_token_id: int | None    # the first of config.json's (the tokenizer holds every stop id)
+    rope_scaling: RopeScaling | None = None  # how the rotary frequencies are scaled; None: plain
+    model_type: str = ""        # config.json's model_type (llama, mistral, qwen2, gpt2)
+
+
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """config.json's `rope_scaling` (or transformers 5's `rope_parameters`), normalised: how
+    `rope_inv_freq` changes the rotary frequencies, as Hugging Face's rope types do.
+
+    `dynamic` (NTK) changes them only past `original_max` positions, which this loader never lets
+    a sequence reach (the model's positions are max_position_embeddings): its frequencies are
+    plain."""
+
+    kind: str                   # one of ROPE_TYPES
+    factor: float
+    original_max: int           # positions the model was pretrained on
+    low_freq_factor: float = 1.0    # llama3
+    high_freq_factor: float = 4.0   # llama3
+    beta_fast: float = 32.0     # yarn
+    beta_slow: float = 1.0      # yarn
+    truncate: bool = True       # yarn: round the correction range to whole dimensions
+    attention_factor: float = 1.0   # yarn: cos and sin are scaled by it
 
 
 @dataclass(frozen=True)
@@ -87,15 +124,19 @@ class GPT2Config:
             raise ModelLoadError(f"GPT-2 activation_function {self.activation_function!r} is not "
                                  f"supported; use one of {sorted(GPT2_GELU)}")
         gelu = "gelu_tanh" if GPT2_GELU[self.activation_function] == "tanh" else "gelu"
-        return ModelConfig("gpt2", self.vocab_size, self.n_embd, self.n_layer, self.n_head, self.n_head,
-                           self.n_embd // self.n_head, self.n_inner or 4 * self.n_embd, self.n_positions,
-                           self.layer_norm_epsilon, gelu, None, True, self.eos_token_id)
+        return ModelConfig("gpt2", self.vocab_size, self.n_embd, self.n_layer, self.n_head,
+                           self.n_head, self.n_embd // self.n_head, self.n_inner or 4 * self.n_embd,
+                           self.n_positions, self.layer_norm_epsilon, gelu, None, True,
+                           self.eos_token_id, None, "gpt2")
 
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The config.json keys of a Llama model that this loader reads (Hugging Face defaults)."""
+    """The config.json keys of a Llama, Mistral or Qwen2 model that this loader reads (Hugging Face
+    defaults). Biases (Qwen2's q/k/v, Llama's `attention_bias`, `mlp_bias`) are read when the
+    checkpoint has them."""
 
+    model_type: str = "llama"
     vocab_size: int = 32000
     hidden_size: int = 4096
     num_hidden_layers: int = 32
@@ -104,48 +145,107 @@ class LlamaConfig:
     head_dim: int | None = None
     intermediate_size: int = 11008
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None   # transformers 5: rope_theta and scaling
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
-    rope_scaling: dict | None = None
-    attention_bias: bool = False
-    mlp_bias: bool = False
+    sliding_window: int | None = None
+    use_sliding_window: bool | None = None          # qwen2: the window is off unless this is true
     eos_token_id: int | list[int] | None = 2
 
     def normalise(self) -> ModelConfig:
         """The family-independent config; raises ModelLoadError for features the forward lacks."""
-        unsupported = {"rope_scaling": self.rope_scaling, "attention_bias": self.attention_bias,
-                       "mlp_bias": self.mlp_bias, "hidden_act != silu": self.hidden_act != "silu"}
-        if bad := [name for name, value in unsupported.items() if value]:
-            raise ModelLoadError(f"Llama config uses {bad}, which this loader does not support")
+        if self.hidden_act != "silu":
+            raise ModelLoadError(f"{self.model_type} hidden_act {self.hidden_act!r} is not "
+                                 "supported (only silu)")
+        theta, scaling = self._rope()
         eos = self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
         heads = self.num_attention_heads
-        return ModelConfig("llama", self.vocab_size, self.hidden_size, self.num_hidden_layers, heads,
-                           self.num_key_value_heads or heads, self.head_dim or self.hidden_size // heads,
-                           self.intermediate_size, self.max_position_embeddings, self.rms_norm_eps,
-                           "silu_glu", self.rope_theta, self.tie_word_embeddings, eos)
+        return ModelConfig("llama", self.vocab_size, self.hidden_size, self.num_hidden_layers,
+                           heads, self.num_key_value_heads or heads,
+                           self.head_dim or self.hidden_size // heads, self.intermediate_size,
+                           self._positions(), self.rms_norm_eps, "silu_glu", theta,
+                           self.tie_word_embeddings, eos, scaling, self.model_type)
+
+    def _positions(self) -> int:
+        """max_position_embeddings, or the sliding window when it is shorter: within the window,
+        sliding-window attention is full causal attention, which is what the forward computes."""
+        on = bool(self.use_sliding_window) if self.model_type == "qwen2" else (
+            self.use_sliding_window is not False)
+        window = self.sliding_window if on else None
+        if window and window < self.max_position_embeddings:
+            log.warning("%s uses sliding-window attention (window %d): sequences are limited to %d "
+                        "tokens", self.model_type, window, window)
+            return window
+        return self.max_position_embeddings
+
+    def _rope(self) -> tuple[float, RopeScaling | None]:
+        """(theta, scaling) from rope_theta + rope_scaling, or from rope_parameters."""
+        params = dict(self.rope_parameters or {})
+        theta = float(params.get("rope_theta") or self.rope_theta or 10000.0)
+        raw = self.rope_scaling or params
+        kind = raw.get("rope_type") or raw.get("type") or "default"
+        if raw.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ModelLoadError("partial_rotary_factor is not supported (the whole head is "
+                                 "rotated)")
+        if kind == "default":
+            return theta, None
+        if kind not in ROPE_TYPES:
+            raise ModelLoadError(f"rope type {kind!r} is not supported; supported: "
+                                 f"{['default', *ROPE_TYPES]}")
+        factor = float(raw.get("factor") or 1.0)
+        original = int(raw.get("original_max_position_embeddings") or self.max_position_embeddings)
+        scaling = RopeScaling(kind, factor, original)
+        if kind == "llama3":
+            scaling = replace(scaling, low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+                              high_freq_factor=float(raw.get("high_freq_factor", 4.0)))
+        if kind == "yarn":
+            scaling = replace(scaling, beta_fast=float(raw.get("beta_fast") or 32),
+                              beta_slow=float(raw.get("beta_slow") or 1),
+                              truncate=bool(raw.get("truncate", True)),
+                              attention_factor=_yarn_attention_factor(raw, factor))
+        return theta, scaling
 
 
-FAMILIES: dict[str, type[GPT2Config] | type[LlamaConfig]] = {"gpt2": GPT2Config, "llama": LlamaConfig}
+def _yarn_attention_factor(raw: dict[str, Any], factor: float) -> float:
+    """YaRN's cos/sin scale as Hugging Face infers it when the config does not give it."""
+    if raw.get("attention_factor") is not None:
+        return float(raw["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if raw.get("mscale") and raw.get("mscale_all_dim"):
+        return mscale(factor, raw["mscale"]) / mscale(factor, raw["mscale_all_dim"])
+    return mscale(factor)
+
+
+FAMILIES: dict[str, type[GPT2Config] | type[LlamaConfig]] = {
+    "gpt2": GPT2Config, "llama": LlamaConfig, "mistral": LlamaConfig, "qwen2": LlamaConfig}
 
 
 def family_of(raw: dict[str, Any]) -> str:
-    """The family named by a config.json's `model_type`, or guessed from its keys when it has none."""
+    """The model_type of a config.json, or guessed from its keys when it has none."""
     kind = raw.get("model_type") or ("gpt2" if "n_embd" in raw else "llama")
     if kind not in FAMILIES:
         raise ModelLoadError(f"model_type {kind!r} is not supported; supported: {sorted(FAMILIES)}")
-    return kind
+    return str(kind)
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
     """Normalise a config.json dictionary; keys the family dataclass does not know are ignored."""
-    cls = FAMILIES[family_of(raw)]
+    kind = family_of(raw)
+    cls = FAMILIES[kind]
     known = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in raw.items() if k in known}).normalise()
+    given = {k: v for k, v in raw.items() if k in known}
+    if cls is LlamaConfig:
+        given["model_type"] = kind
+    return cls(**given).normalise()
 
 
-# ---------------------------------------------------------------------------------------------- weights
+# ----------------------------------------------------------------------------------------- weights
 @dataclass
 class Linear:
     """y = x @ weight.T + bias, torch's layout: weight [out, in]."""
@@ -170,7 +270,7 @@ class LayerWeights:
     """One decoder block."""
 
     attn_norm: Norm
-    qkv: Linear                 # rows: heads*head_dim queries, then kv_heads*head_dim keys, then values
+    qkv: Linear                 # rows: heads*head_dim queries, kv_heads*head_dim keys, values
     o: Linear
     mlp_norm: Norm
     up: Linear                  # gpt2: c_fc; llama: gate rows then up rows (2*intermediate)
@@ -202,22 +302,55 @@ def _leaves(obj: Any) -> Iterator[torch.Tensor | None]:
         yield from _leaves(value) if hasattr(value, "__dataclass_fields__") else [value]
 
 
-# --------------------------------------------------------------------- HF names <-> normalised weights
-def _conv1d(get: Getter, name: str) -> Linear:
+# ----------------------------------------------------------------- HF names <-> normalised weights
+class TensorSource(Protocol):
+    """Tensors by Hugging Face name: `source(name)` (ModelLoadError when missing), and
+    `name in source`."""
+
+    def __call__(self, name: str) -> torch.Tensor: ...
+
+    def __contains__(self, name: object) -> bool: ...
+
+
+class DictSource:
+    """A TensorSource over a dictionary."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], where: str = "the checkpoint") -> None:
+        self.tensors, self.where = tensors, where
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ModelLoadError(f"{self.where}: tensor {name!r} is missing")
+        return self.tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+
+def _conv1d(get: TensorSource, name: str) -> Linear:
     """A GPT-2 Conv1D: its weight is stored [in, out], torch's Linear wants [out, in]."""
     return Linear(get(f"{name}.weight").t().contiguous(), get(f"{name}.bias"))
 
 
-def _cat(get: Getter, *names: str) -> Linear:
-    """Bias-free projections stacked by output rows, so one matmul computes them all."""
-    return Linear(torch.cat([get(f"{name}.weight") for name in names]))
+def _fused(get: TensorSource, *names: str) -> Linear:
+    """Projections stacked by output rows, so one matmul computes them all; their biases too when
+    the checkpoint has any (a projection without one gets zeros). Each part is freed once copied."""
+    weights = [get(f"{name}.weight") for name in names]
+    rows = [w.shape[0] for w in weights]
+    weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+    del weights
+    if not any(f"{name}.bias" in get for name in names):
+        return Linear(weight)
+    biases = [get(f"{n}.bias") if f"{n}.bias" in get else weight.new_zeros(r)
+              for n, r in zip(names, rows)]
+    return Linear(weight, torch.cat(biases))
 
 
-def _layer_norm(get: Getter, name: str) -> Norm:
+def _layer_norm(get: TensorSource, name: str) -> Norm:
     return Norm(get(f"{name}.weight"), get(f"{name}.bias"))
 
 
-def _gpt2_layer(get: Getter, i: int) -> LayerWeights:
+def _gpt2_layer(get: TensorSource, i: int) -> LayerWeights:
     """GPT-2 block i from HF tensors."""
     p = f"transformer.h.{i}."
     return LayerWeights(_layer_norm(get, p + "ln_1"), _conv1d(get, p + "attn.c_attn"),
@@ -225,19 +358,30 @@ def _gpt2_layer(get: Getter, i: int) -> LayerWeights:
                         _conv1d(get, p + "mlp.c_fc"), _conv1d(get, p + "mlp.c_proj"))
 
 
-def _llama_layer(get: Getter, i: int) -> LayerWeights:
-    """Llama block i from HF tensors; q/k/v and gate/up are concatenated for one matmul each."""
+def _llama_layer(get: TensorSource, i: int) -> LayerWeights:
+    """Llama-layout block i from HF tensors; q/k/v and gate/up are concatenated for one matmul
+    each."""
     p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
     return LayerWeights(Norm(get(p + "input_layernorm.weight")),
-                        _cat(get, p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"),
-                        _cat(get, p + "self_attn.o_proj"), Norm(get(p + "post_attention_layernorm.weight")),
-                        _cat(get, p + "mlp.gate_proj", p + "mlp.up_proj"), _cat(get, p + "mlp.down_proj"))
+                        _fused(get, attn + "q_proj", attn + "k_proj", attn + "v_proj"),
+                        _fused(get, attn + "o_proj"),
+                        Norm(get(p + "post_attention_layernorm.weight")),
+                        _fused(get, mlp + "gate_proj", mlp + "up_proj"),
+                        _fused(get, mlp + "down_proj"))
 
 
-def weights_from_hf(config: ModelConfig, get: Getter) -> Weights:
-    """Build Weights from `get(hf_name) -> Tensor` (raises ModelLoadError for a missing name)."""
+def weights_from_hf(config: ModelConfig, get: TensorSource, progress: str | None = None) -> Weights:
+    """Build Weights from a TensorSource (ModelLoadError for a missing name), layer by layer; a
+    progress bar (tqdm, on stderr) labelled `progress` unless it is None."""
     layer = _gpt2_layer if config.family == "gpt2" else _llama_layer
-    layers = [layer(get, i) for i in range(config.layers)]
+    bar = tqdm(total=config.layers, desc=progress, unit="layer", disable=progress is None,
+               mininterval=0.5)
+    layers = []
+    with bar:
+        for i in range(config.layers):
+            layers.append(layer(get, i))
+            bar.update()
     if config.family == "gpt2":
         embed = get("transformer.wte.weight")
         final = _layer_norm(get, "transformer.ln_f")
@@ -248,15 +392,19 @@ def weights_from_hf(config: ModelConfig, get: Getter) -> Weights:
 
 
 def _gpt2_to_hf(w: Weights) -> dict[str, torch.Tensor]:
-    out = {"transformer.wte.weight": w.embed, "transformer.wpe.weight": w.positions,
-           "transformer.ln_f.weight": w.final_norm.weight, "transformer.ln_f.bias": w.final_norm.bias}
+    out = {"transformer.wte.weight": w.embed, "transformer.ln_f.weight": w.final_norm.weight}
+    out.update({"transformer.wpe.weight": w.positions} if w.positions is not None else {})
+    if w.final_norm.bias is not None:
+        out["transformer.ln_f.bias"] = w.final_norm.bias
     for i, lw in enumerate(w.layers):
-        parts = {"ln_1": lw.attn_norm, "attn.c_attn": lw.qkv, "attn.c_proj": lw.o, "ln_2": lw.mlp_norm,
-                 "mlp.c_fc": lw.up, "mlp.c_proj": lw.down}
+        parts: dict[str, Linear | Norm] = {
+            "ln_1": lw.attn_norm, "attn.c_attn": lw.qkv, "attn.c_proj": lw.o, "ln_2": lw.mlp_norm,
+            "mlp.c_fc": lw.up, "mlp.c_proj": lw.down}
         for name, part in parts.items():
             weight = part.weight.t() if isinstance(part, Linear) else part.weight
             out[f"transformer.h.{i}.{name}.weight"] = weight.contiguous()
-            out[f"transformer.h.{i}.{name}.bias"] = part.bias
+            if part.bias is not None:
+                out[f"transformer.h.{i}.{name}.bias"] = part.bias
     return out
 
 
@@ -267,22 +415,28 @@ def _llama_to_hf(w: Weights, config: ModelConfig) -> dict[str, torch.Tensor]:
     q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."
-        splits = {"self_attn.": (lw.qkv.weight.split([q, kv, kv]), ("q_proj", "k_proj", "v_proj")),
-                  "mlp.": (lw.up.weight.chunk(2), ("gate_proj", "up_proj"))}
-        for prefix, (tensors, names) in splits.items():
-            out.update({f"{p}{prefix}{n}.weight": t.contiguous() for n, t in zip(names, tensors)})
-        out.update({p + "self_attn.o_proj.weight": lw.o.weight, p + "mlp.down_proj.weight": lw.down.weight,
-                    p + "input_layernorm.weight": lw.attn_norm.weight,
+        splits = {"self_attn.": (lw.qkv, [q, kv, kv], ("q_proj", "k_proj", "v_proj")),
+                  "self_attn.o": (lw.o, [config.hidden], ("_proj",)),
+                  "mlp.": (lw.up, [config.intermediate] * 2, ("gate_proj", "up_proj")),
+                  "mlp.down": (lw.down, [config.hidden], ("_proj",))}
+        for prefix, (linear, sizes, names) in splits.items():
+            for part in ("weight", "bias"):
+                tensor = getattr(linear, part)
+                if tensor is not None:
+                    out.update({f"{p}{prefix}{n}.{part}": t.contiguous()
+                                for n, t in zip(names, tensor.split(sizes))})
+        out.update({p + "input_layernorm.weight": lw.attn_norm.weight,
                     p + "post_attention_layernorm.weight": lw.mlp_norm.weight})
     return out
 
 
 def weights_to_hf(config: ModelConfig, weights: Weights) -> dict[str, torch.Tensor]:
-    """The Hugging Face state dict of `weights` (the inverse of weights_from_hf; tied lm_head omitted)."""
+    """The Hugging Face state dict of `weights` (the inverse of weights_from_hf; a tied lm_head
+    omitted)."""
     return _gpt2_to_hf(weights) if config.family == "gpt2" else _llama_to_hf(weights, config)
 
 
-# ------------------------------------------------------------------------------------- files on disk
+# ----------------------------------------------------------------------------------- files on disk
 def _shard_files(path: Path) -> list[Path]:
     """The safetensors files of a model directory, in index order when sharded."""
     index = path / INDEX_FILE
@@ -291,49 +445,89 @@ def _shard_files(path: Path) -> list[Path]:
         return [path / name for name in dict.fromkeys(weight_map.values())]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{path} has no *.safetensors file (nor {INDEX_FILE}); save the model with "
-                             "safetensors (save_pretrained(..., safe_serialization=True))")
+        raise ModelLoadError(f"{path} has no *.safetensors file (nor {INDEX_FILE}); save the "
+                             "model with safetensors (save_pretrained(..., "
+                             "safe_serialization=True))")
     return files
 
 
+# safetensors' dtype names of the floating dtypes a model may be served in
+STORED_DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16,
+                                         "BF16": torch.bfloat16}
+
+
+class Checkpoint:
+    """The tensors of a model directory's safetensors files (a TensorSource), each read from its
+    shard only when asked for and cast to `dtype` at once: building the weights layer by layer
+    then holds about one copy of them. Use as a context manager (it keeps the shards open)."""
+
+    def __init__(self, path: Path, device: str = "cpu") -> None:
+        self.path = path
+        self.dtype: torch.dtype | None = None  # None: each tensor as stored
+        self.files = _shard_files(path)
+        self._stack = ExitStack()
+        self._where: dict[str, tuple[Any, str]] = {}
+        # Hub GPT-2 checkpoints (e.g. "gpt2") were saved from GPT2Model: their names lack
+        # "transformer.".
+        bare = ("wte", "wpe", "h", "ln_f")
+        for file in self.files:
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt", device=device))
+            for key in handle.keys():
+                name = "transformer." + key if key.split(".")[0] in bare else key
+                self._where[name] = (handle, key)
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype tensor `name` is stored in (float32 for one that is not fp32/fp16/bf16)."""
+        handle, key = self._where[name] if name in self._where else (None, "")
+        if handle is None:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the safetensors "
+                                 "files")
+        return STORED_DTYPES.get(handle.get_slice(key).get_dtype(), torch.float32)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the safetensors "
+                                 "files")
+        handle, key = self._where[name]
+        tensor = handle.get_tensor(key)
+        return tensor.to(self.dtype) if self.dtype is not None else tensor
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+
 def read_tensors(path: Path, dtype: torch.dtype | None, device: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's safetensors files, cast to `dtype` (None keeps each file's)."""
-    files, out = _shard_files(path), {}
-    for n, file in enumerate(files, 1):
-        log.info("loading %s: shard %d/%d (%s, %.1f MiB)", path.name, n, len(files), file.name,
-                 file.stat().st_size / 2**20)
-        with safe_open(str(file), framework="pt", device=device) as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    out = {k: v.to(dtype) if dtype is not None else v for k, v in out.items()}
-    # Hub GPT-2 checkpoints (e.g. "gpt2") were saved from GPT2Model: their names lack "transformer.".
-    bare = ("wte", "wpe", "h", "ln_f")
-    return {("transformer." + k if k.split(".")[0] in bare else k): v for k, v in out.items()}
-
-
-def _getter(tensors: dict[str, torch.Tensor], path: Path) -> Getter:
-    """`get(name)` over `tensors` that raises ModelLoadError naming the missing tensor."""
-    def get(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise ModelLoadError(f"{path}: tensor {name!r} is missing from the safetensors files")
-        return tensors[name]
-    return get
+    """Every tensor of the directory's safetensors files, cast to `dtype` (None keeps each
+    file's)."""
+    with Checkpoint(path, device) as checkpoint:
+        checkpoint.dtype = dtype
+        return {name: checkpoint(name) for name in checkpoint._where}
 
 
 def save_pretrained(path: str | Path, raw_config: dict[str, Any], tensors: dict[str, torch.Tensor],
                     shards: int = 1) -> Path:
-    """Write config.json and the tensors as Hugging Face safetensors (an index file when shards > 1)."""
+    """Write config.json and the tensors as Hugging Face safetensors (an index file when
+    shards > 1)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(raw_config, indent=2))
     names = list(tensors)
     groups = [names[i::shards] for i in range(shards)]
-    files = ["model.safetensors"] if shards == 1 else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-                                                       for i in range(shards)]
+    files = (["model.safetensors"] if shards == 1 else
+             [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)])
     for file, group in zip(files, groups):
-        save_file({k: tensors[k].contiguous() for k in group}, str(path / file), metadata={"format": "pt"})
+        save_file({k: tensors[k].contiguous() for k in group}, str(path / file),
+                  metadata={"format": "pt"})
     if shards > 1:
         weight_map = {k: file for file, group in zip(files, groups) for k in group}
-        (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        index = {"metadata": {}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return path
 
 
@@ -346,37 +540,55 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str = "cpu") -> Model:
-    """Load a GPT-2 or Llama model from a Hugging Face-format directory.
+def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str = "cpu",
+               progress: bool = False) -> Model:
+    """Load a model (GPT-2, Llama, Mistral, Qwen2) from a Hugging Face-format directory.
 
-    `dtype` None keeps the checkpoint's dtype. Raises ModelLoadError for a missing config.json or tensor
-    or an unsupported feature. Progress is logged to the `gpuos.llm` logger.
+    `dtype` None keeps the checkpoint's (that of its token embedding; every tensor is cast to it).
+    Tensors are read and cast one at a time and fused layer by layer, so host memory peaks at about
+    one copy of the weights. Raises ModelLoadError for a missing config.json or tensor or an
+    unsupported feature. Progress is logged to the `gpuos.llm` logger, and shown as a tqdm bar on
+    stderr when `progress`.
     """
     path = Path(path)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path} has no config.json; point the model path at a Hugging Face "
                              "model directory")
     config = parse_config(json.loads((path / "config.json").read_text()))
-    tensors = read_tensors(path, _dtype(dtype), device)
-    weights = weights_from_hf(config, _getter(tensors, path))
+    with Checkpoint(path, device) as checkpoint:
+        embed = "transformer.wte.weight" if config.family == "gpt2" else "model.embed_tokens.weight"
+        checkpoint.dtype = _dtype(dtype) or checkpoint.stored_dtype(embed)
+        size = sum(f.stat().st_size for f in checkpoint.files) / 2**20
+        log.info("loading %s: %d safetensors file(s), %.1f MiB, as %s", path.name,
+                 len(checkpoint.files), size, checkpoint.dtype)
+        label = f"loading {path.name} ({len(checkpoint.files)} shards)" if progress else None
+        weights = weights_from_hf(config, checkpoint, label)
     params = sum(t.numel() for t in weights.tensors())
-    log.info("loaded %s: %s, %d layers, hidden %d, %.1fM parameters, %s", path.name, config.family,
-             config.layers, config.hidden, params / 1e6, weights.embed.dtype)
+    log.info("loaded %s: %s (%s), %d layers, hidden %d, %.1fM parameters, %s", path.name,
+             config.model_type or config.family, config.family, config.layers, config.hidden,
+             params / 1e6, weights.embed.dtype)
     return Model(config, weights)
 
 
-# --------------------------------------------------------------------------------------- tiny models
+# ------------------------------------------------------------------------------------- tiny models
 TINY: dict[str, dict[str, Any]] = {
-    "gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 256, "n_embd": 64,
-             "n_layer": 2, "n_head": 4, "n_positions": 128, "layer_norm_epsilon": 1e-5,
-             "activation_function": "gelu_new", "bos_token_id": 0, "eos_token_id": 0,
-             "torch_dtype": "float32"},
+    "gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 256,
+             "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
+             "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new", "bos_token_id": 0,
+             "eos_token_id": 0, "torch_dtype": "float32"},
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
-              "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-              "max_position_embeddings": 128, "tie_word_embeddings": False, "hidden_act": "silu",
-              "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "float32"},
+              "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": False,
+              "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "float32"},
 }
+
+
+# The tiny models' tokenizer is bytes (no tokenizer.json); their chat template writes plain text.
+TINY_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: "
+                      "{{ message['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant:{% endif %}")
+TINY_TOKENIZER: dict[str, Any] = {"chat_template": TINY_CHAT_TEMPLATE, "model_max_length": 128}
 
 
 def _random_norm(hidden: int, gen: torch.Generator, biased: bool) -> Norm:
@@ -386,7 +598,8 @@ def _random_norm(hidden: int, gen: torch.Generator, biased: bool) -> Norm:
 
 
 def _random_layer(config: ModelConfig, gen: torch.Generator, biased: bool) -> LayerWeights:
-    """A block with weights scaled 1/sqrt(fan_in) so activations stay O(1) and every weight matters."""
+    """A block with weights scaled 1/sqrt(fan_in) so activations stay O(1) and every weight
+    matters."""
     def lin(out: int, inp: int) -> Linear:
         bias = torch.randn(out, generator=gen) * 0.1 if biased else None
         return Linear(torch.randn(out, inp, generator=gen) / math.sqrt(inp), bias)
@@ -395,8 +608,8 @@ def _random_layer(config: ModelConfig, gen: torch.Generator, biased: bool) -> La
     up = config.intermediate * (2 if config.activation == "silu_glu" else 1)
     attn_norm, mlp_norm = (_random_norm(config.hidden, gen, biased) for _ in range(2))
     attn_out = lin(config.hidden, config.heads * config.head_dim)
-    return LayerWeights(attn_norm, lin(qkv, config.hidden), attn_out, mlp_norm, lin(up, config.hidden),
-                        lin(config.hidden, config.intermediate))
+    return LayerWeights(attn_norm, lin(qkv, config.hidden), attn_out, mlp_norm,
+                        lin(up, config.hidden), lin(config.hidden, config.intermediate))
 
 
 def random_weights(config: ModelConfig, seed: int) -> Weights:
@@ -406,10 +619,12 @@ def random_weights(config: ModelConfig, seed: int) -> Weights:
     layers = [_random_layer(config, gen, biased) for _ in range(config.layers)]
     # 1/sqrt(hidden): with GPT-2's tied head, logits are then O(1), so sampling is not one-hot.
     embed = torch.randn(config.vocab_size, config.hidden, generator=gen) / math.sqrt(config.hidden)
-    positions = torch.randn(config.max_positions, config.hidden, generator=gen) * 0.5 if biased else None
+    positions = (torch.randn(config.max_positions, config.hidden, generator=gen) * 0.5
+                 if biased else None)
     final = _random_norm(config.hidden, gen, biased)
     shape = (config.vocab_size, config.hidden)
-    head = embed if config.tie_embeddings else torch.randn(shape, generator=gen) / math.sqrt(config.hidden)
+    head = (embed if config.tie_embeddings
+            else torch.randn(shape, generator=gen) / math.sqrt(config.hidden))
     return Weights(embed, positions, layers, final, head)
 
 
@@ -421,10 +636,12 @@ def create_tiny_model(path: str | Path, family: str, seed: int = 0, shards: int 
     config = parse_config(TINY[family])
     tensors = weights_to_hf(config, random_weights(config, seed))
     log.info("creating tiny %s model (seed %d) at %s", family, seed, path)
-    return save_pretrained(path, TINY[family], tensors, shards)
+    path = save_pretrained(path, TINY[family], tensors, shards)
+    (path / "tokenizer_config.json").write_text(json.dumps(TINY_TOKENIZER, indent=2))
+    return path
 
 
-# ------------------------------------------------------------------------------------------- KV cache
+# ---------------------------------------------------------------------------------------- KV cache
 @dataclass
 class KVPool:
     """Keys and values of `slots` sequences: [layers, slots, max_len, kv_heads, head_dim] each, so
@@ -467,15 +684,16 @@ class KVCache:
             raise ValueError(f"start {start} is past the cache's {self.length} valid tokens; "
                              "positions must be contiguous")
         if start + count > self.max_len:
-            raise KVCacheFullError(f"KV cache holds {self.max_len} tokens; writing {count} at position "
-                                   f"{start} needs {start + count}: allocate a longer cache or finish "
-                                   "the request")
+            raise KVCacheFullError(f"KV cache holds {self.max_len} tokens; writing {count} at "
+                                   f"position {start} needs {start + count}: allocate a longer "
+                                   "cache or finish the request")
 
 
-# ------------------------------------------------------------------------------- reference functions
+# ----------------------------------------------------------------------------- reference functions
 def layer_norm(x: torch.Tensor, norm: Norm, eps: float) -> torch.Tensor:
     """LayerNorm over the last dimension, computed in fp32 and returned in x's dtype."""
-    return F.layer_norm(x.float(), x.shape[-1:], norm.weight.float(), norm.bias.float(), eps).to(x.dtype)
+    bias = norm.bias.float() if norm.bias is not None else None
+    return F.layer_norm(x.float(), x.shape[-1:], norm.weight.float(), bias, eps).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, norm: Norm, eps: float) -> torch.Tensor:
@@ -489,18 +707,61 @@ def normalize(x: torch.Tensor, norm: Norm, eps: float) -> torch.Tensor:
     return layer_norm(x, norm, eps) if norm.bias is not None else rms_norm(x, norm, eps)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int,
-                   theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [N, head_dim] (fp32) of rotary embedding for `positions` [N], HF's half-split layout."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies [head_dim / 2] (fp32) and the factor cos and sin are scaled
+    by, as Hugging Face computes them for each rope type (modeling_rope_utils)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / theta ** exponents
+    if scaling is None or scaling.kind == "dynamic":  # dynamic: plain within original_max positions
+        return inv_freq, 1.0
+    factor = scaling.factor
+    if scaling.kind == "linear":
+        return inv_freq / factor, 1.0
+    if scaling.kind == "llama3":
+        low_wavelen = scaling.original_max / scaling.low_freq_factor
+        high_wavelen = scaling.original_max / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = ((scaling.original_max / wavelen - scaling.low_freq_factor)
+                  / (scaling.high_freq_factor - scaling.low_freq_factor))
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    # yarn: interpolate the low frequencies, extrapolate the high ones, ramp between
+    def correction(rotations: float) -> float:
+        return (head_dim * math.log(scaling.original_max / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction(scaling.beta_fast), correction(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low)
+            / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+    return inv_freq, scaling.attention_factor
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                   scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [N, head_dim] (fp32) of rotary embedding for `positions` [N], HF's half-split
+    layout, with `scaling`'s frequencies (and YaRN's attention factor folded into both)."""
+    inv_freq, attention = rope_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos(), emb.sin()
+    if attention == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * attention, emb.sin() * attention
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float,
+                 scaling: RopeScaling | None = None) -> torch.Tensor:
     """Rotate x [N, heads, head_dim] by its row's position (rotate-half convention of HF Llama)."""
-    cos, sin = (t[:, None, :].to(x.dtype) for t in rotary_cos_sin(positions, x.shape[-1], theta))
+    cos, sin = (t[:, None, :].to(x.dtype) for t in rotary_cos_sin(positions, x.shape[-1], theta,
+                                                                   scaling))
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -518,7 +779,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
     return torch.einsum("hts,hsd->thd", scores.softmax(-1), v).to(q.dtype)
 
 
-# ---------------------------------------------------------------------------------------------- model
+# ------------------------------------------------------------------------------------------- model
 @dataclass
 class Model:
     """A loaded decoder: its config and weights (its forward: serving/llm/forward.py)."""
@@ -533,5 +794,6 @@ class Model:
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """An empty KV cache in the model's dtype and device (default length: max_positions)."""
         w = self.weights.embed
-        pool = KVPool.allocate(self.config, 1, max_len or self.config.max_positions, w.dtype, w.device)
+        length = max_len or self.config.max_positions
+        pool = KVPool.allocate(self.config, 1, length, w.dtype, w.device)
         return KVCache(pool)

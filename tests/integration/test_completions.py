@@ -1,13 +1,16 @@
 """OpenAI-compatible completions as users reach them: `serve run` of the shipped deployments/llm.yaml
-(CPU backend, the default tiny model), then HTTP with httpx and with the official `openai` client,
-unmodified: plain and streamed completions, lists of prompts, stop strings, usage, seeds, concurrent
-streams batched together, and errors in OpenAI's shape."""
+(CPU backend, the default tiny model, whose directory has a chat template), then HTTP with httpx and
+with the official `openai` client, unmodified: plain and streamed completions and chat completions,
+models.retrieve, lists of prompts, stop strings, usage, seeds, concurrent streams batched together,
+logprobs, prompt log-likelihoods (echo + logprobs, max_tokens 0) equal to transformers', and errors
+in OpenAI's shape."""
 from __future__ import annotations
 
 import asyncio
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,8 +22,12 @@ ADMIN = {"Authorization": "Bearer completions-secret"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    tmp = tmp_path_factory.mktemp("llm")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("llm")
+
+
+@pytest.fixture(scope="module")
+def server(tmp: Path) -> Iterator[ServeProcess]:
     with served(REPO / "deployments" / "llm.yaml", tmp,
                 {"backend": "cpu", "state_dir": str(tmp / "state"), "num_cpus": 0.5,
                  "admin_token": ADMIN["Authorization"].removeprefix("Bearer ")},
@@ -122,7 +129,8 @@ def test_concurrent_streams_all_complete(server: ServeProcess, model_id: str) ->
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"temperature": 3}, 400, "temperature"),
     ({"n": 2}, 400, "n"),
-    ({"logprobs": 2}, 400, "logprobs"),
+    ({"logprobs": 50}, 400, "logprobs"),
+    ({"best_of": 2}, 400, "best_of"),
     ({"prompt": ""}, 400, None),
     ({"prompt": "x" * 5000}, 400, None),
     ({"prompt": [[1, 99999]]}, 400, None),
@@ -202,3 +210,97 @@ def test_nan_logits_are_a_clear_error_and_roll_the_swap_back(server: ServeProces
     again = httpx.post(f"{server.url}/v1/completions", json={**body, "temperature": 0},
                        timeout=60)
     assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_models_retrieve(client: openai.OpenAI, model_id: str) -> None:
+    card = client.models.retrieve(model_id)
+    assert card.id == model_id and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
+def test_openai_client_chat(client: openai.OpenAI, model_id: str) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    args = dict(model=model_id, messages=messages, max_completion_tokens=10, temperature=0.7,
+                seed=3)
+    done = client.chat.completions.create(**args)
+    assert done.object == "chat.completion" and done.model == model_id
+    (choice,) = done.choices
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    # the tiny model's template: "role: content\n" per message, then "assistant:" (bytes)
+    assert done.usage.prompt_tokens == len(b"system: Be brief.\nuser: Hi!\nassistant:")
+    assert 1 <= done.usage.completion_tokens <= 10
+    chunks = list(client.chat.completions.create(**args, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content  # same seed, same tokens
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == choice.finish_reason and all(r is None for r in finals[:-1])
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+
+
+def test_chat_stop_max_tokens_and_logprobs(client: openai.OpenAI, model_id: str) -> None:
+    args = dict(model=model_id, messages=[{"role": "user", "content": "Count."}], temperature=0)
+    full = client.chat.completions.create(**args, max_tokens=12, logprobs=True, top_logprobs=3)
+    choice = full.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    for token in content:  # greedy: the chosen token is the likeliest
+        assert len(token.top_logprobs) == 3 and token.logprob <= 0
+        assert token.logprob == pytest.approx(max(t.logprob for t in token.top_logprobs))
+    text = choice.message.content
+    if len(text) >= 3:
+        cut = client.chat.completions.create(**args, max_tokens=12, stop=[text[1:3]])
+        assert cut.choices[0].message.content == text[:text.index(text[1:3])]
+
+
+def test_chat_errors(server: ServeProcess, model_id: str) -> None:
+    url = f"{server.url}/v1/chat/completions"
+    for body, param in [({"messages": []}, "messages"), ({"n": 2}, "n"),
+                        ({"tools": [{"type": "function"}]}, "tools")]:
+        answer = httpx.post(url, timeout=30, json={
+            "model": model_id, "messages": [{"role": "user", "content": "x"}], **body})
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{server.url}/v1/models/nope", timeout=30).json()["error"]["code"] == \
+        "model_not_found"
+    parts = httpx.post(url, timeout=30, json={"model": model_id, "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}]})
+    assert parts.status_code == 200, parts.text
+    assert parts.json()["usage"]["prompt_tokens"] == len(b"user: Hi!\nassistant:")
+
+
+def test_completion_logprobs_of_generated_tokens(client: openai.OpenAI, model_id: str) -> None:
+    done = client.completions.create(model=model_id, prompt="Hello", max_tokens=6, temperature=0,
+                                     logprobs=2)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == done.usage.completion_tokens
+    for chosen, token, top in zip(lp.token_logprobs, lp.tokens, lp.top_logprobs):
+        assert top[token] == chosen and chosen == pytest.approx(max(top.values()))
+
+
+def test_echo_logprobs_equal_transformers_loglikelihood(client: openai.OpenAI, model_id: str,
+                                                        tmp: Path) -> None:
+    """lm-evaluation-harness's loglikelihood request: token ids, echo, max_tokens 0, logprobs."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    tokens = list(b"The quick brown fox jumps")
+    done = client.completions.create(model=model_id, prompt=[tokens], max_tokens=0, echo=True,
+                                     logprobs=1, temperature=0)
+    (choice,) = done.choices
+    assert choice.text == "The quick brown fox jumps"
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(tokens)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp / "state" / "models" / "tiny-gpt2")
+    with torch.no_grad():
+        logits = hf(torch.tensor([tokens])).logits[0].float()
+    expected = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(tokens[1:])[:, None])
+    assert lp.token_logprobs[1:] == pytest.approx(expected[:, 0].tolist(), abs=1e-4)
+    assert done.usage.completion_tokens == 0 and done.usage.prompt_tokens == len(tokens)
+    more = client.completions.create(model=model_id, prompt="The quick", max_tokens=3, echo=True,
+                                     temperature=0)
+    assert more.choices[0].text.startswith("The quick")

@@ -17,6 +17,9 @@ from loadtest.launch import REPO, ServeProcess, served
 pytest.importorskip("schemathesis")
 TOKEN = "fuzz-secret"
 CONFIG = Path(__file__).with_name("schemathesis.toml")
+# CPython 3.11's parser once failed inside schemathesis itself under a full suite's load (a
+# SystemError while compiling, nothing to do with the app's answers): such a run is repeated once.
+FUZZER_CRASH = "AST constructor recursion depth mismatch"
 
 
 @pytest.fixture(scope="module")
@@ -45,4 +48,6 @@ def test_fuzzing_finds_no_server_error_and_no_conformance_failure(server: ServeP
     for selection in (("--exclude-path", "/admin/coalescer"),
                       ("--include-path", "/admin/coalescer")):
         done = fuzz(server.url, *selection)
+        if FUZZER_CRASH in done.stdout + done.stderr:  # the fuzzer's own crash, not a finding
+            done = fuzz(server.url, *selection)
         assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
