@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tqdm import tqdm
+
 from .jit import DEFAULT_ARCH, CompileSpec, JitCache, compile_object, link_image
 from .optable import OpVersion
 from .paths import CUDA_DIR
@@ -76,7 +78,10 @@ def build_image(slots: Sequence[OpVersion], arch: str = DEFAULT_ARCH,
                 cache: JitCache | None = None) -> ImageBuild:
     """Link the worker, every version in `slots` and their jump table into one cubin."""
     started = time.perf_counter()
-    objects = [(u.name, compile_object(u, cache)) for u in image_units(slots, arch)]
+    # A bar only when compiling takes a while (a replica's first start, not cache hits or swaps).
+    units = tqdm(image_units(slots, arch), desc="gpuos: compiling operators", unit="unit",
+                 delay=2.0, leave=False)
+    objects = [(u.name, compile_object(u, cache)) for u in units]
     compiled = time.perf_counter()
     binary = link_image(objects, arch)
     return ImageBuild(binary, 1e3 * (compiled - started), 1e3 * (time.perf_counter() - compiled))

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm  # type: ignore[import-untyped]
+from tqdm import tqdm
 
 from gpuos_core.errors import GpuosError
 
