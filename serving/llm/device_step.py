@@ -27,7 +27,6 @@ from serving.llm.forward import Span, forward
 from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
 
 IDLE = -1  # token, position and KV row of an idle row (gather_rows yields zeros, scatter skips)
-ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "silu_glu": "swiglu"}
 
 
 @dataclass(frozen=True)
@@ -83,30 +82,32 @@ class StepInputs:
         self.host = torch.empty(sum(sizes.values()), dtype=torch.int32, pin_memory=pinned)
         self.device = self.host.to(device) if pinned else self.host  # the CPU backend reads it
         self.layout = layout
-        views, at = {}, 0
+        self._host: dict[str, np.ndarray] = {}      # numpy views of the pinned copy
+        self._device: dict[str, torch.Tensor] = {}  # the same words on the device
+        at = 0
         for name, size in sizes.items():
-            views[name] = (self.host[at:at + size], self.device[at:at + size])
+            self._host[name] = self.host[at:at + size].numpy()
+            self._device[name] = self.device[at:at + size]
             at += size
-        self._views = views
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """The device view named (`params` is float32, `rng` and `params` are [picks, 3])."""
-        view = self._views[name][1]
+        view = self._device[name]
         if name == "params":
             return view.view(torch.float32).view(-1, 3)
         return view.view(-1, 3) if name == "rng" else view
 
-    def write(self, spans: Sequence[Span], max_len: int, params: torch.Tensor,
-              rng: torch.Tensor) -> None:
-        """Fill the inputs for `spans` (params float32 [spans, 3], rng int32 [spans, 3] per
-        span), idle rows and greedy idle picks elsewhere, and copy them to the device."""
-        host = {name: v[0].numpy() for name, v in self._views.items()}
+    def write(self, spans: Sequence[Span], places: np.ndarray, max_len: int,
+              params: torch.Tensor, rng: torch.Tensor) -> None:
+        """Fill the inputs for `spans` at their `places` (Layout.places: first row and logits
+        row per span; params float32 and rng int32, [spans, 3] each), idle rows and greedy idle
+        picks elsewhere, and copy them to the device."""
+        host = self._host
         for name in ("tokens", "positions", "kv_rows"):
             host[name][:] = IDLE
         host["lengths"][:] = 0
         host["rng"][:] = 0
         host["params"].view(np.float32)[:] = 0.0  # temperature 0: argmax, no draw
-        places = np.array(self.layout.places(spans), dtype=np.int64).reshape(-1, 2)
         counts = np.array([len(s.tokens) for s in spans], dtype=np.int64)
         # row r of span i: first_i + k, position start_i + k, for k < count_i (no loop per row)
         k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -204,7 +205,7 @@ class ProgramOps:
     def activation(self, h: torch.Tensor, kind: str) -> torch.Tensor:
         if kind == "silu_glu":
             return self._add("swiglu", *h.chunk(2, dim=-1))
-        return self._add(ACTIVATIONS[kind], h)
+        return self._add(kind, h)  # "gelu" and "gelu_tanh" are catalogue operators
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         picked = self._add("gather_rows", h, self.picks)
@@ -241,9 +242,10 @@ class StepProgram:
               keep_logits: bool, timeout: float) -> Callable[[], StepResult]:
         """Write the step's inputs and submit the program; the returned call waits for it and
         reads back the spans' tokens."""
-        self.inputs.write(spans, self.max_len, params, rng)
+        places = np.array(self.layout.places(spans), dtype=np.int64).reshape(-1, 2)
+        self.inputs.write(spans, places, self.max_len, params, rng)
         batch = rt.submit(self.program)
-        picks = [pick for _, pick in self.layout.places(spans)]
+        picks = places[:, 1].tolist()
 
         def result() -> StepResult:
             batch.wait(timeout).check()

@@ -151,8 +151,11 @@ class _Request:
         return bool(done) or self.length >= max_len
 
     def pending_tokens(self) -> list[int]:
-        """Tokens to feed next: the prompt (rest) first, then the last generated token."""
-        return (self.prompt + self.generated)[self.cached:]
+        """Tokens to feed next: the prompt (rest) first, then the last generated token (no copy
+        of the whole sequence: this runs for every request every step)."""
+        if self.cached < len(self.prompt):
+            return self.prompt[self.cached:] + self.generated
+        return self.generated[self.cached - len(self.prompt):]
 
     def sampling_row(self) -> tuple[float, float, float]:
         """(temperature, top_p, top_k): its row of sample_tokens' params."""

@@ -11,6 +11,7 @@ implementations of `MicroOps`:
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -114,7 +115,7 @@ class TorchOps:
         self.tokens = as_long([t for s in spans for t in s.tokens])
         self.positions = as_long([p for s in spans for p in range(s.start, s.end)])
         self.slots = as_long([s.slot for s in spans for _ in s.tokens])
-        firsts = [sum(len(s.tokens) for s in spans[:i]) for i in range(len(spans))]
+        firsts = [0, *itertools.accumulate(len(s.tokens) for s in spans)][:-1]
         self.firsts = tuple(firsts)
         last = [f + len(s.tokens) - 1 for f, s in zip(firsts, spans)]
         self.picked = torch.arange(len(self.tokens), device=device) if every_row else as_long(last)

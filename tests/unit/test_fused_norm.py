@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from gpuos_core import OpCall, Runtime
 from gpuos_core.errors import TensorSpecError
 from test_catalogue import DTYPES, TOLERANCE, rel_error
+from test_index_ops import randn
 
 OPS = ("add_rmsnorm", "add_layernorm")
 SHAPES = [(1, 1), (3, 7), (5, 33), (2, 3, 300), (1, 4096), (17, 1000), (64, 257)]
@@ -21,11 +22,6 @@ SHAPES = [(1, 1), (3, 7), (5, 33), (2, 3, 300), (1, 4096), (17, 1000), (64, 257)
 @pytest.fixture(scope="module")
 def rt(tiled_rt: Runtime) -> Runtime:
     return tiled_rt
-
-
-def randn(rt: Runtime, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen).to(dtype=dtype, device=rt.device)
 
 
 def unfused(op: str, x: torch.Tensor, y: torch.Tensor, params: tuple[torch.Tensor, ...],
