@@ -15,13 +15,48 @@
  * calls), rolled loops that batch their loads explicitly, branch-free loads, and pointer walks
  * instead of per-index offsets; see gpuos_div, GPUOS_ROLLED, GPUOS_ILP and gpuos_load_ptr.
  * Measured (H100, scripts of the helper that wrote this): uncapped, ptxas spreads an operator over
- * 100-200 registers; with NVRTC --maxrregcount=64 every operator fits with at most a few hundred
- * bytes of stack (mostly saved callee-saved registers).
+ * 100-200 registers; with NVRTC --maxrregcount=96 (gpuos_core/jit.py) every operator fits with at
+ * most a few hundred bytes of stack (mostly saved callee-saved registers).
  * Task memory is read with plain loads, never __ldg/__restrict__: a persistent worker reuses ring
  * slots during one launch, and the non-coherent read-only cache could serve a stale descriptor. */
 #pragma once
 
 #include "gpuos_abi.h"
+
+__device__ __forceinline__ unsigned long long gpuos_now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned int gpuos_smid() {
+  unsigned int sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  return sm;
+}
+
+/* Diagnostics (CudaConfig.trace compiles every unit with GPUOS_TRACE; CudaBackend.trace reads
+ * the tables, bench/step_trace.py shows them). Per ticket, in row ticket % GPUOS_TRACE_SLOTS:
+ * gpuos_trace holds [(SM << 48) | (ticket + 1), claimed, waits met, operator done] (globaltimer
+ * ns, thread 0 of the block that ran it); gpuos_trace_marks holds the times an operator reached
+ * its GPUOS_MARK(k) points (the last item's, when a record has several). A mark finds its record
+ * through gpuos_trace_ticket[SM], which assumes one worker block per SM (the default). */
+#ifdef GPUOS_TRACE
+#define GPUOS_TRACE_SLOTS (1 << 16)
+#define GPUOS_TRACE_MARKS 8
+#define GPUOS_TRACE_SMS 1024
+extern "C" __device__ unsigned long long gpuos_trace[GPUOS_TRACE_SLOTS][4];
+extern "C" __device__ unsigned long long gpuos_trace_marks[GPUOS_TRACE_SLOTS][GPUOS_TRACE_MARKS];
+extern "C" __device__ long long gpuos_trace_ticket[GPUOS_TRACE_SMS];
+#define GPUOS_MARK(k)                                                                          \
+  do {                                                                                         \
+    if (threadIdx.x == 0)                                                                      \
+      gpuos_trace_marks[gpuos_trace_ticket[gpuos_smid()] & (GPUOS_TRACE_SLOTS - 1)][k] =       \
+          gpuos_now_ns();                                                                      \
+  } while (0)
+#else
+#define GPUOS_MARK(k) ((void)0)
+#endif
 
 /* Keep the loop that follows rolled: unrolled by ptxas, loops hoist the loads of several
  * iterations into dozens of extra registers, which every worker thread then pays for. Loops that

@@ -31,13 +31,21 @@
 #include "gpuos_device.cuh"
 
 extern "C" __device__ GpuosOpFn gpuos_jump_table[];
-extern "C" __device__ int gpuos_jump_table_size;
 
-__device__ __forceinline__ unsigned long long gpuos_now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
+#ifdef GPUOS_TRACE
+extern "C" { /* the definitions of gpuos_device.cuh's diagnostics tables */
+__device__ unsigned long long gpuos_trace[GPUOS_TRACE_SLOTS][4];
+__device__ unsigned long long gpuos_trace_marks[GPUOS_TRACE_SLOTS][GPUOS_TRACE_MARKS];
+__device__ long long gpuos_trace_ticket[GPUOS_TRACE_SMS];
 }
+__device__ __forceinline__ void gpuos_trace_at(long long ticket, int field, unsigned long long v) {
+  if (threadIdx.x == 0) gpuos_trace[ticket & (GPUOS_TRACE_SLOTS - 1)][field] = v;
+}
+#define GPUOS_TRACE_AT(ticket, field, value) gpuos_trace_at(ticket, field, value)
+#else
+#define GPUOS_TRACE_AT(ticket, field, value) ((void)0)
+#endif
+extern "C" __device__ int gpuos_jump_table_size;
 
 __device__ __forceinline__ unsigned long long gpuos_acquire(const unsigned long long* p) {
   unsigned long long v;
@@ -173,12 +181,17 @@ __device__ __forceinline__ void gpuos_signal(const GpuosTask* task, GpuosKnown& 
  * (none for GPUOS_OP_NOP), signals. Returns whether its op_slot was valid. A record with a bad
  * slot still signals, so records that wait for it fail with it instead of hanging. `known` is
  * thread 0's. */
-__device__ bool gpuos_run(const GpuosTask* task, GpuosKnown& known) {
+__device__ bool gpuos_run(const GpuosTask* task, long long ticket, GpuosKnown& known) {
   gpuos_wait_events(task, known);
+  GPUOS_TRACE_AT(ticket, 2, gpuos_now_ns());
+#ifdef GPUOS_TRACE
+  if (threadIdx.x == 0) gpuos_trace_ticket[gpuos_smid()] = ticket; /* for GPUOS_MARK */
+#endif
   const int slot = task->op_slot;
   const bool valid = slot == GPUOS_OP_NOP || (slot >= 0 && slot < gpuos_jump_table_size);
   if (valid && slot != GPUOS_OP_NOP) gpuos_jump_table[slot](task);
   __syncthreads(); /* operators reuse static shared memory: the next one starts after this one */
+  GPUOS_TRACE_AT(ticket, 3, gpuos_now_ns());
   if (threadIdx.x == 0) gpuos_signal(task, known);
   return valid;
 }
@@ -201,10 +214,17 @@ extern "C" __global__ void gpuos_worker(GpuosQueue* q, const GpuosTask* ring, un
     const int n = count;
     const long long t0 = first;
     if (n == 0) return;
+#ifdef GPUOS_TRACE
+    const unsigned long long sm = gpuos_smid();
+    for (int k = 0; k < n; ++k) {
+      GPUOS_TRACE_AT(t0 + k, 0, (sm << 48) | (t0 + k + 1));
+      GPUOS_TRACE_AT(t0 + k, 1, gpuos_now_ns());
+    }
+#endif
     gpuos_fetch(ring, mask, t0, n, tasks);
     unsigned int invalid = 0; /* bit k: record t0 + k had a bad slot (thread 0's copy is used) */
     GpuosKnown known = {0ull, GPUOS_NO_EVENT, 0u};
-    for (int k = 0; k < n; ++k) invalid |= gpuos_run(tasks + k, known) ? 0u : 1u << k;
+    for (int k = 0; k < n; ++k) invalid |= gpuos_run(tasks + k, t0 + k, known) ? 0u : 1u << k;
     if (threadIdx.x == 0) {
       __threadfence_system(); /* outputs visible before the completions that announce them */
       for (int k = 0; k < n; ++k) {

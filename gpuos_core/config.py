@@ -28,6 +28,8 @@ class CudaConfig:
                                     # on a batch polls itself; this bounds async waits)
     poller_linger_s: float = 0.01   # the poller keeps polling this long after work ran out before
                                     # it parks (waking a parked poller costs a submit the GIL)
+    trace: bool = False             # diagnostics: the worker records when each record was
+                                    # claimed, ready and done (CudaBackend.trace)
 
 
 @dataclass(frozen=True)

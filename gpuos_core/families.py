@@ -23,6 +23,11 @@ from .sampler import sample_rows
 Tensors = Sequence[torch.Tensor]
 RowFn = Callable[[Tensors, tuple[float, ...]], torch.Tensor]
 MAX_HEAD_DIM = 256  # attention decode keeps one head's output in static shared memory
+# Least work a record is cut to (elements of its largest input) when a task is spread over the
+# multiprocessors: one round of loads of a 256-thread block (GPUOS_ILP = 4 each). A record's
+# time is about its rounds of dependent loads (H200 trace, bench/step_trace.py: 16 rounds of
+# 16384 elements took 14 us, one round 2 us), so a task of a few rounds finishes sooner spread.
+MIN_RECORD_ELEMENTS = 1024
 
 
 @dataclass(frozen=True)
@@ -81,11 +86,16 @@ class Family:
         write_items(out, value, begin, end, self.rows_are_items)
 
     def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
-        """The work items [begin, end) of each of the task's records, in order: tiles of about
-        `tile_elements` elements of work each (counted in its largest input), one record when
-        None. Families whose kernels need a plan of their own override it."""
-        per_item = max(1, max(x.numel() for x in task.inputs) // max(task.items, 1))
-        step = max(1, tile_elements // per_item) if tile_elements else max(task.items, 1)
+        """The work items [begin, end) of each of the task's records, in order: tiles of at most
+        `tile_elements` elements of work each (counted in its largest input), fewer when that
+        leaves multiprocessors idle (down to MIN_RECORD_ELEMENTS), one record when None.
+        Families whose kernels need a plan of their own override it."""
+        if not tile_elements:
+            return [(0, task.items)]
+        total = max(x.numel() for x in task.inputs)
+        spread = -(-total // _sm_count(task.inputs[0].device))
+        tile = min(tile_elements, max(MIN_RECORD_ELEMENTS, spread))
+        step = max(1, tile // max(1, total // max(task.items, 1)))
         bounds = list(range(0, task.items, step)) or [0]
         return list(zip(bounds, bounds[1:] + [task.items]))
 

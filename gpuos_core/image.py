@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tqdm import tqdm
 
@@ -53,11 +53,15 @@ def version_unit(v: OpVersion, arch: str = DEFAULT_ARCH) -> CompileSpec:
     return CompileSpec(v.symbol, op_source(v), arch)
 
 
-def image_units(slots: Sequence[OpVersion], arch: str = DEFAULT_ARCH) -> list[CompileSpec]:
-    """Every unit an image of `slots` links: the worker, each version, the jump table."""
+def image_units(slots: Sequence[OpVersion], arch: str = DEFAULT_ARCH,
+                trace: bool = False) -> list[CompileSpec]:
+    """Every unit an image of `slots` links: the worker, each version, the jump table; all
+    compiled to record per-record times when `trace` (CudaConfig.trace)."""
     worker = CompileSpec("gpuos_worker", (CUDA_DIR / WORKER_SOURCE).read_text(), arch)
     table = CompileSpec("gpuos_jump_table", jump_table_source(slots), arch)
-    return [worker, *(version_unit(v, arch) for v in slots), table]
+    units = [worker, *(version_unit(v, arch) for v in slots), table]
+    # every unit: operators mark their phases too (GPUOS_MARK in gpuos_device.cuh)
+    return [replace(u, options=u.options + ("-DGPUOS_TRACE=1",)) for u in units] if trace else units
 
 
 def compile_version(v: OpVersion, arch: str = DEFAULT_ARCH, cache: JitCache | None = None) -> bytes:
@@ -75,11 +79,11 @@ class ImageBuild:
 
 
 def build_image(slots: Sequence[OpVersion], arch: str = DEFAULT_ARCH,
-                cache: JitCache | None = None) -> ImageBuild:
+                cache: JitCache | None = None, trace: bool = False) -> ImageBuild:
     """Link the worker, every version in `slots` and their jump table into one cubin."""
     started = time.perf_counter()
     # A bar only when compiling takes a while (a replica's first start, not cache hits or swaps).
-    units = tqdm(image_units(slots, arch), desc="gpuos: compiling operators", unit="unit",
+    units = tqdm(image_units(slots, arch, trace), desc="gpuos: compiling operators", unit="unit",
                  delay=2.0, leave=False)
     objects = [(u.name, compile_object(u, cache)) for u in units]
     compiled = time.perf_counter()

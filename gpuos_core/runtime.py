@@ -293,8 +293,9 @@ class Runtime:
         compiled = time.perf_counter()
         self._canary(candidate)
         checked = time.perf_counter()
-        build = (build_image(slots, self._arch, self._cache) if self._backend.needs_image_binary
-                 else ImageBuild(b"", 0.0, 0.0))
+        traced = self.config.cuda.trace
+        build = (build_image(slots, self._arch, self._cache, traced)
+                 if self._backend.needs_image_binary else ImageBuild(b"", 0.0, 0.0))
         paused = time.perf_counter()
         with self._submit_lock:
             self._drain()

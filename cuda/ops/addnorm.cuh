@@ -27,6 +27,7 @@ struct GpuosAddNormRow {
       x.store(j, sum);
       s += RMS ? sum * sum : sum;
     });
+    GPUOS_MARK(0);
     if (RMS) {
       gpuos_rmsnorm_tail<2, G>(t, x, out, n, G::sum(s));
     } else {

@@ -36,7 +36,7 @@
  * tile's rows are prefetched into L2 while this one is computed. Anything else takes the
  * CUDA-core path: one key per warp at a time, the same items, merge and combine.
  * Registers: at most GPUOS_ATTN_ACC accumulators per lane, so NQ = min(8, 16 / (D / 32)) (D / 32
- * rounded up to a power of two); 64 registers in all (the NVRTC cap). Static shared memory:
+ * rounded up to a power of two); 96 registers in all (the NVRTC cap). Static shared memory:
  * about 7 KB. Needs blockDim >= 32 GPUOS_ATTN_WARPS (the worker's 256 threads). */
 #pragma once
 
@@ -526,12 +526,14 @@ __device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnSh
     __syncthreads(); /* the previous item's readers of item, q, o and last are done */
     if (threadIdx.x == 0) sh.item = gpuos_attn_item(t, p, i);
     __syncthreads();
+    GPUOS_MARK(1);
     if (it.split >= it.active) { /* no key here; a row with none at all reads zeros */
       if (it.active == 0 && it.split == 0) gpuos_attn_store(t, p, it, [](int, int) { return 0.0f; });
       continue;
     }
     gpuos_attn_stage_q<NQ>(t, p, it, sh.q);
     __syncthreads();
+    GPUOS_MARK(2);
     GpuosAttnAcc<NQ, NS> acc;
 #pragma unroll
     for (int j = 0; j < NQ; ++j) {
@@ -540,8 +542,11 @@ __device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnSh
     }
     if (scans && MODE == 0) gpuos_attn_scan_generic<NS, NQ>(p, it, sh, acc);
     if (scans && MODE != 0) gpuos_attn_scan_mma<NS, NQ, MODE == 2>(t, p, it, sh, acc);
+    GPUOS_MARK(3);
     gpuos_attn_merge<NS, NQ>(p, sh, acc);
+    GPUOS_MARK(4);
     gpuos_attn_emit(t, p, it, sh);
+    GPUOS_MARK(5);
   }
 }
 
@@ -561,6 +566,7 @@ __device__ __forceinline__ void gpuos_attention_decode(const GpuosTask* t) {
   if (t->range_begin >= t->range_end) return; /* no rows: uniform */
   if (threadIdx.x == 0) sh.plan = gpuos_attn_plan(t);
   __syncthreads();
+  GPUOS_MARK(0);
   /* Few versions of the loops: dims per lane rounded up to a power of two. */
   const int d = sh.plan.d;
   if (d <= GPUOS_WARP) {

@@ -31,7 +31,7 @@
  * ahead (one bulk prefetch per row on sm_90), so that the ring's loads hit L2; x goes through 3
  * stages of shared memory (cp.async.cg: L2, never a stale L1 line) shared by the 8 warps. Both
  * streams run on across the items of a record, so an item's epilogue overlaps the next item's
- * loads. Registers: 64 (the NVRTC cap); static shared memory 12,388 bytes (stages 12 KB).
+ * loads. Registers: 96 (the NVRTC cap); static shared memory 12,388 bytes (stages 12 KB).
  * Anything else (fp32, odd strides or alignment, K = 0, small blocks) takes the CUDA-core path:
  * one thread per output, same items, same combine. */
 #pragma once
@@ -51,7 +51,7 @@
 #define GPUOS_LINEAR_PREFETCH GPUOS_LINEAR_STEP_ALIGN
 /* Steps of W each lane keeps in flight in registers (16 bytes each). 8 would double the bytes in
  * flight, but spills ring slots right after their loads in the operator as the worker calls it
- * (an ABI function, 64 registers): a spill store waits for its load and stalls the warp. */
+ * (an ABI function, 64 registers when this was measured): a spill store waits for its load and stalls the warp. */
 #define GPUOS_LINEAR_RING 4
 
 /* What one task's records share, computed once per record by thread 0 into shared memory. */
@@ -518,6 +518,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
           gpuos_linear_emit<true>(t, p, it, r, c, acc[a][e]);
       }
     }
+    GPUOS_MARK(1);
     gpuos_linear_arrive<true>(t, p, it, last);
   }
   gpuos_cp_async_wait<0>(); /* no copy may land in the stages after the operator returned */
@@ -542,6 +543,7 @@ __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
   if (t->range_begin >= t->range_end) return; /* no items (an empty x or W): uniform */
   if (threadIdx.x == 0) plan = gpuos_linear_plan(t);
   __syncthreads();
+  GPUOS_MARK(0);
   const int rows = min(plan.m, GPUOS_LINEAR_BM);
   if (!plan.fast) {
     gpuos_linear_generic(t, plan, &last);

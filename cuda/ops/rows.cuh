@@ -48,6 +48,7 @@ __device__ __forceinline__ void gpuos_layernorm_tail(const GpuosTask* t, const G
   float q = 0.0f;
   gpuos_row_each<G>(x, n, [&](int64_t, float v) { q += (v - mean) * (v - mean); });
   const float rstd = rsqrtf(gpuos_div(G::sum(q), static_cast<float>(n)) + t->scalars[0]);
+  GPUOS_MARK(1);
   const bool has_w = t->num_inputs > W, has_b = t->num_inputs > W + 1;
   const GpuosRow w = gpuos_vector(t->in[W]), b = gpuos_vector(t->in[W + 1]);
   gpuos_row_each<G>(x, n, [&](int64_t j, float v) {

@@ -228,6 +228,25 @@ class CudaBackend(Backend):
                 self._publish(records[begin:begin + part], batch.pinned, pending)
         batch.set_poller(self.poll, self.config.spin_s)
 
+    def trace(self) -> np.ndarray:
+        """The worker's per-record times (CudaConfig.trace; cuda/gpuos_device.cuh): one row per
+        ticket modulo the table's length, [(SM << 48) | (ticket + 1), claimed, ready, done,
+        mark 0, ..., mark 7] in globaltimer ns (zero: never written). Read after the records of
+        interest completed."""
+        assert self.config.trace, "trace() needs CudaConfig(trace=True)"
+        self._use_context()
+        with self._lock:
+            module = self._modules[-1]
+        return np.concatenate([self._read_global(module, name)
+                               for name in (b"gpuos_trace", b"gpuos_trace_marks")], axis=1)
+
+    def _read_global(self, module: object, name: bytes) -> np.ndarray:
+        """A uint64 [GPUOS_TRACE_SLOTS, k] table of the image, copied to the host."""
+        address, size = check(cu.cuModuleGetGlobal(module, name), name.decode())
+        rows = np.empty(size // 8, dtype=np.uint64)
+        check(cu.cuMemcpyDtoH(rows.ctypes.data, int(address), size), f"read {name.decode()}")
+        return rows.reshape(1 << 16, -1)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

@@ -48,3 +48,12 @@ def test_an_image_holds_current_and_previous_of_swapped_operators(cache: JitCach
 def test_other_architectures_link(cache: JitCache, arch: str) -> None:
     slots = [v for v in catalogue_slots() if v.name in {"mul", "softmax", "attention_decode"}]
     assert_linked_image(build_image(slots, arch, cache).binary, [v.symbol for v in slots])
+
+
+def test_a_traced_image_carries_the_trace_tables(cache: JitCache) -> None:
+    """CudaConfig.trace builds every unit with GPUOS_TRACE: the tables CudaBackend.trace reads
+    exist in that image only, so a serving image pays nothing for them."""
+    slots = [v for v in catalogue_slots() if v.name in {"add", "attention_decode", "linear"}]
+    tables = ["gpuos_trace", "gpuos_trace_marks", "gpuos_trace_ticket"]
+    assert_linked_image(build_image(slots, "sm_90", cache, trace=True).binary, tables)
+    assert b"gpuos_trace" not in build_image(slots, "sm_90", cache).binary

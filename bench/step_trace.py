@@ -1,0 +1,215 @@
+"""Where a device program's time goes, record by record: the worker's own trace
+(CudaConfig.trace) of the LLM decode step program and of chains of one operator, read as stages
+(a task's records) along the program's critical path. Needs CUDA.
+
+    python3 bench/step_trace.py --out bench/results [--shape gpt2] [--rows 1 64] [--reps 30]
+
+Per program: the median wall time of a run (submit to completion, traced worker), then along the
+critical path of its last run (walking back from the last record to finish, each time to the
+producer that finished last): per stage, its edge (its first record's waits met, after its latest
+producer's last record was done), its span (first record ready to last record done) and its
+records' median run time. Sums by operator name say what the step spends its time on. Writes
+step-trace-<device>.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpuos_core import OpCall, Runtime, RuntimeConfig
+from gpuos_core.config import CudaConfig
+from gpuos_core.program import Program
+from llm import make_model  # bench/ is the script's directory
+from serving.llm.device_step import Layout, StepProgram
+from serving.llm.forward import Span
+from serving.llm.model import KVPool
+
+TICKET = (1 << 48) - 1
+
+
+@dataclass(frozen=True)
+class Records:
+    """The traced times (µs from the run's first claim) of one run's records, in program order."""
+
+    sm: np.ndarray
+    claimed: np.ndarray
+    ready: np.ndarray
+    done: np.ndarray
+    marks: np.ndarray   # [records, 8]: an operator's GPUOS_MARK points, µs after ready; NaN: none
+
+    @classmethod
+    def last_run(cls, table: np.ndarray, n: int) -> Records:
+        """The `n` highest tickets of the trace table: the latest run of an n-record program."""
+        rows = table[table[:, 0] != 0]
+        tickets = (rows[:, 0] & np.uint64(TICKET)).astype(np.int64) - 1
+        order = np.argsort(tickets)[-n:]
+        rows, tickets = rows[order], tickets[order]
+        assert len(rows) == n and tickets[-1] - tickets[0] == n - 1, "trace lacks the last run"
+        t0 = rows[:, 1].min()
+        us = [(rows[:, k] - t0).astype(np.float64) / 1e3 for k in (1, 2, 3)]
+        marks = (rows[:, 4:].astype(np.float64) - rows[:, 2:3].astype(np.float64)) / 1e3
+        marks[(rows[:, 4:] < rows[:, 2:3]) | (rows[:, 4:] > rows[:, 3:4])] = np.nan  # stale
+        return cls((rows[:, 0] >> np.uint64(48)).astype(np.int64), *us, marks)
+
+
+@dataclass(frozen=True)
+class Stage:
+    task: int
+    op: str
+    records: int
+    ready: float      # first record's waits met
+    done: float       # last record done
+    run_med: float    # median record run time (ready to done)
+    run_max: float
+    marks: list       # median µs after ready at which its records reached each GPUOS_MARK
+
+
+def stages(program: Program, rec: Records) -> dict[int, Stage]:
+    tl = program.tasks
+    by_task: dict[int, list[int]] = defaultdict(list)
+    for r, task in enumerate(tl.owners.tolist()):
+        by_task[task].append(r)
+    out = {}
+    for task, rs in by_task.items():
+        run = rec.done[rs] - rec.ready[rs]
+        marks = [float(np.median(m[~np.isnan(m)])) if (~np.isnan(m)).any() else None
+                 for m in rec.marks[rs].T]
+        out[task] = Stage(task, tl.op_names[tl.op_of_task[task]], len(rs),
+                          float(rec.ready[rs].min()), float(rec.done[rs].max()),
+                          float(np.median(run)), float(run.max()), marks)
+    return out
+
+
+def critical_path(program: Program, found: dict[int, Stage]) -> list[dict]:
+    """From the stage that finished last back to the first, each time through the producer that
+    finished last; per stage its edge and span in µs."""
+    path, at = [], max(found.values(), key=lambda s: s.done)
+    while True:
+        deps = program.deps[at.task]
+        before = max((found[d] for d in deps if d in found), key=lambda s: s.done, default=None)
+        edge = at.ready - before.done if before else at.ready
+        path.append({"task": at.task, "op": at.op, "records": at.records, "edge_us": edge,
+                     "span_us": at.done - at.ready, "run_med_us": at.run_med,
+                     "run_max_us": at.run_max, "marks_us": at.marks})
+        if before is None:
+            return path[::-1]
+        at = before
+
+
+def by_op(path: list[dict]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for s in path:
+        o = out.setdefault(s["op"], {"stages": 0, "edge_us": 0.0, "span_us": 0.0})
+        o["stages"] += 1
+        o["edge_us"] += s["edge_us"]
+        o["span_us"] += s["span_us"]
+    return dict(sorted(out.items(), key=lambda kv: -(kv[1]["edge_us"] + kv[1]["span_us"])))
+
+
+def measure(rt: Runtime, name: str, program: Program, reps: int) -> dict:
+    """Median wall ms of `reps` runs, then the trace of the last."""
+    rt.submit(program).wait(60).check()  # first run: warm
+    walls = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        rt.submit(program).wait(60).check()
+        walls.append(1e3 * (time.perf_counter() - started))
+    rec = Records.last_run(rt.backend.trace(), len(program.tasks.records))
+    path = critical_path(program, stages(program, rec))
+    device_ms = rec.done.max() / 1e3
+    result = {"name": name, "records": len(rec.ready), "tasks": len(program),
+              "wall_ms": statistics.median(walls), "device_ms": device_ms,
+              "path_stages": len(path), "path": path, "by_op": by_op(path),
+              "sms_used": int(len(np.unique(rec.sm))),
+              "claim_to_ready_med_us": float(np.median(rec.ready - rec.claimed))}
+    show(result)
+    return result
+
+
+def show(r: dict) -> None:
+    print(f"\n== {r['name']}: {r['records']} records, {r['tasks']} tasks; wall {r['wall_ms']:.3f} ms,"
+          f" device {r['device_ms']:.3f} ms; critical path {r['path_stages']} stages", flush=True)
+    print(f"{'op':>16} {'stages':>6} {'edge us':>9} {'span us':>9} {'per stage':>10}")
+    for op, o in r["by_op"].items():
+        per = (o["edge_us"] + o["span_us"]) / o["stages"]
+        print(f"{op:>16} {o['stages']:>6} {o['edge_us']:>9.1f} {o['span_us']:>9.1f} {per:>10.2f}")
+    edges = [s["edge_us"] for s in r["path"][1:]]
+    if edges:
+        print(f"edges: median {statistics.median(edges):.2f} us, total {sum(edges):.1f} us")
+    shown = set()
+    for s in r["path"]:  # one stage per operator: where its records' time went
+        if s["op"] in shown or not any(m is not None for m in s["marks_us"]):
+            continue
+        shown.add(s["op"])
+        marks = " ".join("-" if m is None else f"{m:.2f}" for m in s["marks_us"])
+        print(f"  {s['op']} ({s['records']} records): marks at {marks}; "
+              f"done {s['run_med_us']:.2f} us after ready (medians)")
+
+
+def chain(rt: Runtime, op: str, n: int, hidden: int, dtype: torch.dtype) -> Program:
+    """n dependent calls of `op` on one row of `hidden`."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, hidden, device="cuda", dtype=dtype, generator=gen)
+    weight = torch.randn(hidden, hidden, device="cuda", dtype=dtype, generator=gen) / hidden**0.5
+    ones, zeros = torch.ones(hidden, device="cuda", dtype=dtype), torch.zeros_like(x[0])
+    build = rt.program()
+    for _ in range(n):
+        if op == "linear":
+            x = build.add(OpCall("linear", (x, weight)))
+        elif op == "layernorm":
+            x = build.add(OpCall("layernorm", (x, ones, zeros), scalars={"eps": 1e-5}))
+        else:
+            x = build.add(OpCall(op, (x, x)))
+    return build.build()
+
+
+def step(rt: Runtime, shape: str, rows: int, where: Path) -> Program:
+    """The decode step program of `rows` decode rows, every row at position 64."""
+    model = make_model(shape, "cuda", where / shape)
+    pool = KVPool.allocate(model.config, rows, 128, model.dtype, "cuda")
+    pool.keys.normal_()
+    pool.values.normal_()
+    spans = [Span(slot, 64, (1,)) for slot in range(rows)]
+    sp = StepProgram(rt, model, pool, Layout.of(spans, rows), None)
+    params = torch.zeros(rows, 3)
+    rng = torch.zeros(rows, 3, dtype=torch.int32)
+    places = np.array(sp.layout.places(spans), dtype=np.int64).reshape(-1, 2)
+    sp.inputs.write(spans, places, pool.max_len, params, rng)
+    return sp.program
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--shape", default="gpt2")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    rt = Runtime(config=RuntimeConfig(backend="cuda", cuda=CudaConfig(trace=True)))
+    results = []
+    with tempfile.TemporaryDirectory() as tmp, rt:
+        for op in ("add", "layernorm", "linear"):
+            results.append(measure(rt, f"chain of 48 {op} (1 x 768)",
+                                   chain(rt, op, 48, 768, torch.float16), args.reps))
+        for rows in args.rows:
+            results.append(measure(rt, f"{args.shape} step, {rows} decode rows",
+                                   step(rt, args.shape, rows, Path(tmp)), args.reps))
+    device = torch.cuda.get_device_name().split()[-1].lower()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"step-trace-{device}.json"
+    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results},
+                               indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
