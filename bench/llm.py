@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import importlib.util
 import json
 import signal
@@ -295,7 +296,11 @@ def loop_rows(rows: list[dict], model: Model, streams: list[int], prompt: int, n
         rows.append(median_run([row(way, r, new, x.wall_s, x.steps_s, x.wall_s - sum(x.steps_s),
                                     x.tokens[0], reference) for x in runs]))
         rows[-1]["graphs"] = graphs
-        del loop  # its graphs' memory
+        # Its graphs' memory, now: a TorchLoop is a reference cycle (its steps' lambdas hold it),
+        # and freed by the cyclic collector during the next R's capture, its graphs invalidate
+        # that capture (cudaErrorStreamCaptureInvalidated at R=32 on the H200).
+        del loop
+        gc.collect()
         print(rows[-1], flush=True)
 
 

@@ -2,7 +2,7 @@
 from .batch import Batch
 from .calls import OpCall, Prepared
 from .config import CudaConfig, RuntimeConfig
-from .dispatch import Scheduler, SchedulerConfig, SchedulerStats, scheduler
+from .dispatch import Scheduler, SchedulerConfig, SchedulerStats, Traced, scheduler, trace
 from .errors import (
     BackendUnavailableError,
     CanaryCrashError,
@@ -21,6 +21,7 @@ from .errors import (
     WaitTimeoutError,
 )
 from .runtime import Runtime
+from .tracing import TraceStats
 
 __all__ = [
     "Batch", "CudaConfig", "OpCall", "Prepared", "Runtime", "RuntimeConfig",
@@ -28,5 +29,5 @@ __all__ = [
     "ExpressionError", "GpuosError", "LinkError", "OperatorExistsError", "RawCudaDisabledError",
     "RollbackError", "RuntimeClosedError", "TaskFailedError", "TensorSpecError",
     "UnknownOperatorError", "WaitTimeoutError", "Scheduler", "SchedulerConfig", "SchedulerStats",
-    "scheduler",
+    "scheduler", "trace", "Traced", "TraceStats",
 ]

@@ -75,9 +75,14 @@ def needed(nodes: Sequence[Node], forms: dict[int, Form]) -> list[Node]:
     return [n for n in nodes if id(n) in need]
 
 
+def inputs_of(n: Node, form: Form | None) -> tuple[Operand, ...]:
+    """What node `n`'s task reads, in its task's input order: the leaves of its form
+    (elementwise nodes), else its operands (a row or reduce node's one tensor or node)."""
+    return form.leaves if form is not None else n.operands
+
+
 def _deps(n: Node, forms: dict[int, Form]) -> list[Node]:
-    sources = forms[id(n)].leaves if id(n) in forms else n.operands
-    return [x for x in sources if isinstance(x, Node)]
+    return [x for x in inputs_of(n, forms.get(id(n))) if isinstance(x, Node)]
 
 
 def _rewrite(tree: ExprNode, leaf: Callable[[ExprNode], ExprNode]) -> ExprNode:
@@ -99,6 +104,8 @@ def _remap(tree: ExprNode, inputs: Sequence[int], scalars: Sequence[int]) -> Exp
 
 def constants(tree: ExprNode, scalars: Sequence[float]) -> ExprNode:
     """Scalars past the task's MAX_SCALARS become constants of the expression."""
+    if len(scalars) <= MAX_SCALARS:  # Scalar(k) reads scalars[k]: none is past them
+        return tree
     return _rewrite(tree, lambda n: Num(float(scalars[n.index]))
                     if isinstance(n, Scalar) and n.index >= MAX_SCALARS else n)
 
@@ -111,7 +118,10 @@ def _combine(parts: Sequence[Form], build: Build) -> Form:
     for part in parts:
         lmap = [_index_of(leaves, leaf) for leaf in part.leaves]
         smap = [_index_eq(scalars, s) for s in part.scalars]
-        trees.append(_remap(part.tree, lmap, smap))
+        # The first part (in a chain, the producer's whole form) usually maps onto itself:
+        # rewriting it anyway copied the whole chain again for every op.
+        same = lmap == list(range(len(lmap))) and smap == list(range(len(smap)))
+        trees.append(part.tree if same else _remap(part.tree, lmap, smap))
     inlined = frozenset().union(*(p.inlined for p in parts))
     return Form(build(trees), tuple(leaves), tuple(scalars), inlined)
 
@@ -136,8 +146,12 @@ def _fits(form: Form) -> bool:
     if len(form.leaves) > len(INPUTS):
         return False
     text = constants(form.tree, form.scalars).canonical()
+    if len(text) > MAX_EXPR_CHARS - 64:
+        return False
+    if text.count("(") <= MAX_PAREN_DEPTH:  # no deeper than its parentheses: no scan needed
+        return True
     depth = best = 0
     for ch in text:
         depth += (ch == "(") - (ch == ")")
         best = max(best, depth)
-    return len(text) <= MAX_EXPR_CHARS - 64 and best <= MAX_PAREN_DEPTH
+    return best <= MAX_PAREN_DEPTH

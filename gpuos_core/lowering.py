@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,26 +21,40 @@ aten = torch.ops.aten
 Build = Callable[[Sequence[ExprNode]], ExprNode]
 
 
-@dataclass(frozen=True)
-class MapOp:
-    """An aten op recognised as elementwise: operands and how to combine their expressions."""
+class MapOp(NamedTuple):
+    """An aten op recognised as elementwise: operands and how to combine their expressions (a
+    NamedTuple: made for every queued op, and a frozen dataclass takes three times as long)."""
 
     operands: tuple[Any, ...]   # tensors and python numbers, in the order `build` takes them
     build: Build
     dtype: torch.dtype          # result dtype, by torch's promotion
 
 
-def bind(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The op's arguments by schema name, defaults filled in."""
-    bound = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args):
-            bound[a.name] = args[i]
-        elif a.name in kwargs:
-            bound[a.name] = kwargs[a.name]
-        else:
-            bound[a.name] = a.default_value if a.has_default_value() else None
-    return bound
+@dataclass(frozen=True)
+class Lowered:
+    """An aten op the scheduler may queue: its schema's argument names and defaults (read once:
+    a schema's `arguments` costs a microsecond a call) and what the op becomes."""
+
+    names: tuple[str, ...]
+    defaults: tuple[Any, ...]
+    elementwise: Callable[[dict], MapOp | None] | None  # its MapOp (None: torch runs the op)
+    row: str                                            # else a row operator (softmax)
+    reduce: str                                         # or a reduction (sum, mean)
+
+    @classmethod
+    def of(cls, func: torch._ops.OpOverload,
+           elementwise: Callable[[dict], MapOp | None] | None = None, row: str = "",
+           reduce: str = "") -> Lowered:
+        arguments = func._schema.arguments
+        defaults = (a.default_value if a.has_default_value() else None for a in arguments)
+        return cls(tuple(a.name for a in arguments), tuple(defaults), elementwise, row, reduce)
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The op's arguments by schema name, defaults filled in."""
+        bound = dict(zip(self.names, self.defaults))
+        bound.update(zip(self.names, args))
+        bound.update(kwargs)
+        return bound
 
 
 def _number(v: Any) -> bool:
@@ -55,10 +69,14 @@ def _value(v: Any) -> bool:
 
 
 def _dtype(*values: Any) -> torch.dtype:
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    """torch's result dtype of one or two values (tensors, python numbers)."""
     if len(values) == 1:
-        return tensors[0].dtype
-    return torch.result_type(values[0], values[1])
+        return values[0].dtype
+    a, b = values
+    if type(a) is torch.Tensor and a.dtype in FLOAT_DTYPES and (
+            type(b) in (int, float) or (type(b) is torch.Tensor and b.dtype == a.dtype)):
+        return a.dtype  # what result_type says for these, without its microsecond
+    return torch.result_type(a, b)
 
 
 def _call(fn: str) -> Build:
@@ -66,11 +84,18 @@ def _call(fn: str) -> Build:
 
 
 def _unary(fn: str) -> Callable[[dict], MapOp | None]:
-    return lambda p: MapOp((p["self"],), _call(fn), _dtype(p["self"]))
+    build = _call(fn)
+    return lambda p: MapOp((p["self"],), build, _dtype(p["self"]))
 
 
 def _binop(sym: str, swap: bool = False) -> Callable[[dict], MapOp | None]:
     """self ∘ other (other ∘ self when `swap`); add/sub's alpha scales the second operand."""
+    def plain(x: Sequence[ExprNode]) -> ExprNode:
+        return BinOp(sym, x[0], x[1])
+
+    def scaled(x: Sequence[ExprNode]) -> ExprNode:
+        return BinOp(sym, x[0], BinOp("*", x[1], x[2]))
+
     def lower(p: dict) -> MapOp | None:
         a, b = (p["other"], p["self"]) if swap else (p["self"], p["other"])
         alpha = p.get("alpha", 1)
@@ -78,25 +103,29 @@ def _binop(sym: str, swap: bool = False) -> Callable[[dict], MapOp | None]:
             return None
         dtype = _dtype(p["self"], p["other"])
         if alpha in (None, 1):
-            return MapOp((a, b), lambda x: BinOp(sym, x[0], x[1]), dtype)
-        return MapOp((a, b, alpha), lambda x: BinOp(sym, x[0], BinOp("*", x[1], x[2])), dtype)
+            return MapOp((a, b), plain, dtype)
+        return MapOp((a, b, alpha), scaled, dtype)
     return lower
 
 
 def _pair(fn: str, first: str, second: str) -> Callable[[dict], MapOp | None]:
+    build = _call(fn)
+
     def lower(p: dict) -> MapOp | None:
         a, b = p[first], p[second]
-        return MapOp((a, b), _call(fn), _dtype(a, b)) if _value(a) and _value(b) else None
+        return MapOp((a, b), build, _dtype(a, b)) if _value(a) and _value(b) else None
     return lower
 
 
 def _params(fn: str, *names: str) -> Callable[[dict], MapOp | None]:
     """fn(self, *scalar parameters)."""
+    build = _call(fn)
+
     def lower(p: dict) -> MapOp | None:
         values = [p[n] for n in names]
         if not all(_number(v) for v in values):
             return None
-        return MapOp((p["self"], *values), _call(fn), _dtype(p["self"]))
+        return MapOp((p["self"], *values), build, _dtype(p["self"]))
     return lower
 
 
@@ -164,11 +193,20 @@ MAP_OPS: dict[Any, Callable[[dict], MapOp | None]] = {
 ROW_OPS = {aten._softmax.default: "softmax", aten._log_softmax.default: "log_softmax"}
 REDUCE_OPS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.default: "mean",
               aten.mean.dim: "mean"}
+# Every op above by id: an OpOverload hashes in Python, an id in C (they live as long as torch).
+LOWERED: dict[int, Lowered] = {
+    **{id(f): Lowered.of(f, elementwise=fn) for f, fn in MAP_OPS.items()},
+    **{id(f): Lowered.of(f, row=op) for f, op in ROW_OPS.items()},
+    **{id(f): Lowered.of(f, reduce=op) for f, op in REDUCE_OPS.items()},
+}
 
 
-def broadcast_shape(shapes: Sequence[torch.Size]) -> tuple[int, ...] | None:
+def broadcast_shape(shapes: list[torch.Size]) -> tuple[int, ...] | None:
     """The broadcast shape, or None where torch would raise (it then raises for the caller).
     Plain python: torch.broadcast_shapes costs tens of microseconds a call."""
+    first = shapes[0]
+    if shapes.count(first) == len(shapes):  # the usual case, without the loops below
+        return tuple(first)
     ndim = max(len(s) for s in shapes)
     out = [1] * ndim
     for shape in shapes:

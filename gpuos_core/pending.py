@@ -18,7 +18,7 @@ from .lowering import Build
 Operand = Union[torch.Tensor, float, "Node"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Node:
     """One queued op. Holds its output only weakly (pinned: strongly) so that a result nobody can
     read is never written; its operands (tensors, numbers, other nodes) strongly."""
@@ -64,8 +64,9 @@ class Pending:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
         self._by_id: dict[int, Node] = {}  # id(result tensor) → node
-        self._results: collections.Counter[int] = collections.Counter()  # storage → live results
-        self._inputs: collections.Counter[int] = collections.Counter()   # storage → task inputs
+        # Counts as plain dicts read with .get: a Counter's miss is a Python call, and most are.
+        self._results: dict[int, int] = {}  # storage → live results
+        self._inputs: dict[int, int] = {}   # storage → task inputs
         self._dead: collections.deque[tuple[int, int, int]] = collections.deque()
         self._epoch = 0  # bumped by `take`: callbacks of results taken before are ignored
 
@@ -76,16 +77,18 @@ class Pending:
             device: torch.device, **kind: Any) -> torch.Tensor:
         """Queue a node over `operands`; its result, allocated now and written at the flush."""
         out = torch.empty(shape, dtype=dtype, device=device)
-        storage, dead = storage_of(out), self._dead
+        storage, dead = out.data_ptr(), self._dead  # a fresh tensor starts its storage
         # Called when the result dies (any thread): queued, applied under the lock by reap.
         epoch, key = self._epoch, id(out)
         ref = weakref.ref(out, lambda _: dead.append((epoch, key, storage)))
         node = Node(operands, shape, dtype, ref, device=device, **kind)
-        self._by_id[id(out)] = node
-        self._results[storage] += 1
+        self._by_id[key] = node
+        results, inputs = self._results, self._inputs
+        results[storage] = results.get(storage, 0) + 1
         for x in operands:
             if isinstance(x, torch.Tensor):
-                self._inputs[storage_of(x)] += 1
+                read = storage_of(x)
+                inputs[read] = inputs.get(read, 0) + 1
         self.nodes.append(node)
         return out
 
@@ -96,11 +99,11 @@ class Pending:
 
     def writes(self, t: torch.Tensor) -> bool:
         """Whether a pending result lives in `t`'s storage (`t` may be that result)."""
-        return self._results[storage_of(t)] > 0
+        return self._results.get(storage_of(t), 0) > 0
 
     def reads(self, t: torch.Tensor) -> bool:
         """Whether a pending task reads a tensor in `t`'s storage."""
-        return self._inputs[storage_of(t)] > 0
+        return self._inputs.get(storage_of(t), 0) > 0
 
     def aliases(self, t: torch.Tensor) -> bool:
         """Whether `t` is a view of a pending result, other than the result itself."""

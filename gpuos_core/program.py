@@ -19,6 +19,9 @@ A program is fixed; data moves. What changes between runs lives in the tensors i
 graph with dynamic sizes. Operator versions resolve at each submit (a swap between runs takes
 effect at the next run). Runs of one program never overlap: they share tensors and event
 counters, so `Runtime.submit` waits for a program's previous run before publishing the next.
+Where the tensors themselves change between runs (a traced region's arguments and results), a
+`Binding` says where their addresses sit in the records and `Program.rebind` rewrites them all
+with one numpy scatter, keeping the edges and the event plan.
 """
 from __future__ import annotations
 
@@ -29,13 +32,28 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .abi import MAX_WAITS, NO_EVENT, OP_NOP, RAW_TASK, TASK
+from .abi import MAX_WAITS, NO_EVENT, OP_NOP, RAW_TASK, TASK, TENSOR_REF, field_offset
 from .batch import Batch
 from .calls import OpCall, Prepared
 from .errors import ProgramError
 from .tasklist import TaskList
 
 Span = tuple[int, int, int]  # (storage address, first byte, one past the last byte)
+# Byte offsets, within a TASK record, of the addresses of its output and of its input 0.
+_OUT_DATA = field_offset(TASK, "out") + field_offset(TENSOR_REF, "data")
+_IN_DATA = field_offset(TASK, "in") + field_offset(TENSOR_REF, "data")
+_WORD = np.dtype(np.uint64).itemsize
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where a program's rebindable tensors sit in its records: word `words[i]` of the records,
+    viewed as uint64, holds the address of bound tensor `slots[i]` plus `deltas[i]` bytes (the
+    view a task encodes, measured from that tensor's data_ptr)."""
+
+    words: np.ndarray   # index into the records viewed as uint64
+    slots: np.ndarray   # which bound tensor
+    deltas: np.ndarray  # uint64, added modulo 2**64: a view may start before its tensor's data_ptr
 
 
 @dataclass(eq=False)
@@ -57,6 +75,34 @@ class Program:
 
     def __len__(self) -> int:
         return len(self.tasks.tasks)
+
+    def binding(self, uses: Sequence[tuple[int, int, int]], addresses: Sequence[int]) -> Binding:
+        """The Binding of `uses`, each (task, operand, slot): the task's output (operand -1) or
+        its input `operand` is a view of bound tensor `slot`, which lives at `addresses[slot]`
+        now. Every record of the task (its tiles) is bound."""
+        task, operand, slot = np.asarray(uses, dtype=np.int64).reshape(-1, 3).T
+        tiles = np.array([len(t.records) for t in self.tasks.tasks])[task]
+        # A task's tiles are its last records (its join records come first).
+        ends = np.searchsorted(self.tasks.owners, task, side="right")
+        within = np.arange(tiles.sum()) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+        records = np.repeat(ends - tiles, tiles) + within
+        field = np.where(operand < 0, _OUT_DATA, _IN_DATA + operand * TENSOR_REF.itemsize)
+        words = (records * TASK.itemsize + np.repeat(field, tiles)) // _WORD
+        slots = np.repeat(slot, tiles)
+        now = np.asarray(addresses, dtype=np.uint64)[slots]
+        return Binding(words, slots, self._words()[words] - now)
+
+    def rebind(self, binding: Binding, addresses: np.ndarray) -> None:
+        """Point every use of `binding` at `addresses` (uint64, one per slot): the tensors of the
+        next run. Waits for the previous run first (it reads these records); the caller keeps
+        each rebind and the submit after it together, one run at a time."""
+        with self.lock:
+            if self.last is not None:
+                self.last.wait()
+            self._words()[binding.words] = addresses[binding.slots] + binding.deltas
+
+    def _words(self) -> np.ndarray:
+        return self.tasks.records.view(np.uint64)
 
 
 class ProgramBuilder:
@@ -104,26 +150,30 @@ class _Access:
     lo: int
     hi: int
     task: int
-    write: bool
 
 
 class _Accesses:
-    """Accesses so far, per storage; an access that a later write covers is dropped (whoever
-    touches it later overlaps that write, which already depends on it)."""
+    """Accesses so far, per storage, reads and writes apart (a read conflicts only with writes:
+    many tasks reading views of one storage, like rows of a batch, cost no scan of each other);
+    an access that a later write covers is dropped (whoever touches it later overlaps that
+    write, which already depends on it)."""
 
     def __init__(self) -> None:
-        self._by_storage: dict[int, list[_Access]] = {}
+        self._reads: dict[int, list[_Access]] = {}
+        self._writes: dict[int, list[_Access]] = {}
 
     def conflicts(self, s: Span, write: bool) -> set[int]:
         """Tasks whose accesses conflict with reading (or writing) span `s`."""
-        return {a.task for a in self._by_storage.get(s[0], ()) if a.lo < s[2] and s[1] < a.hi
-                and (write or a.write)}
+        found = [*self._writes.get(s[0], ()), *(self._reads.get(s[0], ()) if write else ())]
+        return {a.task for a in found if a.lo < s[2] and s[1] < a.hi}
 
     def record(self, s: Span, task: int, write: bool) -> None:
-        found = self._by_storage.setdefault(s[0], [])
         if write:
-            found[:] = [a for a in found if not (s[1] <= a.lo and a.hi <= s[2])]
-        found.append(_Access(s[1], s[2], task, write))
+            for kind in (self._reads, self._writes):
+                if s[0] in kind:
+                    kind[s[0]] = [a for a in kind[s[0]] if not (s[1] <= a.lo and a.hi <= s[2])]
+        (self._writes if write else self._reads).setdefault(s[0], []).append(
+            _Access(s[1], s[2], task))
 
 
 def data_flow(tasks: Sequence[Prepared]) -> list[set[int]]:

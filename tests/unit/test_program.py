@@ -76,6 +76,32 @@ def test_random_dags_equal_the_calls_run_one_by_one(rt: Runtime, seed: int) -> N
             assert torch.equal(got, ref)
 
 
+def test_a_rebound_program_runs_over_new_tensors_and_leaves_the_old_ones(rt: Runtime) -> None:
+    """A Binding moves a program's inputs (views included) and outputs to other tensors, every
+    tile of a task (the CPU runtime here tiles too); the intermediate stays where it was built,
+    and results already written stay as they are."""
+    def tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.randn(9, 300).to(rt.device), torch.randn(8, 300).to(rt.device), \
+            torch.empty(8, 300, device=rt.device)
+
+    x, y, out = tensors()
+    build = rt.program()
+    h = build.add(OpCall("sigmoid", (x[1:],)))          # reads a view of x, one row in
+    build.add(OpCall("add", (h, y), out=out))
+    program = build.build()
+    addresses = [x.data_ptr(), y.data_ptr(), out.data_ptr()]
+    # (task, operand, slot): the sigmoid's input views x, the add reads y and writes out
+    binding = program.binding([(0, 0, 0), (1, 1, 1), (1, -1, 2)], addresses)
+    runs = [(x, y, out)]
+    rt.submit(program).wait(30)
+    for _ in range(2):
+        runs.append(tensors())
+        program.rebind(binding, np.array([t.data_ptr() for t in runs[-1]], dtype=np.uint64))
+        rt.submit(program).wait(30).check()
+    for x, y, out in runs:
+        torch.testing.assert_close(out, torch.sigmoid(x[1:]) + y)
+
+
 def test_edges_follow_data_flow_and_drop_implied_ones() -> None:
     with Runtime("cpu") as rt:
         x = torch.randn(4, 8)

@@ -1,5 +1,7 @@
 """The transparent scheduler runs unmodified PyTorch snippets to eager's results, batches and fuses
-the small elementwise work, and flushes before anything can observe an unwritten result."""
+the small elementwise work, and flushes before anything can observe an unwritten result. Every
+snippet also runs traced: recorded once, then replayed on new inputs, still eager's results
+(tests/unit/test_trace.py has the guards and the rest of tracing)."""
 from __future__ import annotations
 
 import time
@@ -10,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from gpuos_core import Runtime
-from gpuos_core import Scheduler, scheduler
+from gpuos_core import Scheduler, SchedulerConfig, scheduler
 
 Snippet = Callable[..., object]
 
@@ -26,13 +28,31 @@ def rand(rt: Runtime, *shape: int, dtype: torch.dtype = torch.float32) -> torch.
 
 
 def compare(rt: Runtime, fn: Snippet, *inputs: torch.Tensor, fuse: bool = True,
-            atol: float = 1e-5, rtol: float = 1e-4) -> Scheduler:
-    """Runs `fn` eagerly and under a scheduler on the same inputs; results must agree."""
+            atol: float = 1e-5, rtol: float = 1e-4, replays: bool = True) -> Scheduler:
+    """Runs `fn` eagerly, under a scheduler and traced (see `traced`) on the same inputs;
+    results must agree. The scheduler of the plain run, for its stats."""
     want = fn(*inputs)
     with scheduler(rt, auto_flush_ms=None, fuse=fuse) as sched:
         got = fn(*inputs)
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    traced(rt, fn, inputs, fuse, replays, atol=atol, rtol=rtol)
     return sched
+
+
+def traced(rt: Runtime, fn: Snippet, inputs: tuple[torch.Tensor, ...], fuse: bool,
+           replays: bool, **tolerance: float) -> None:
+    """`fn` traced: recorded on `inputs`, then called on new inputs like them and on `inputs`
+    again. Every call's results equal eager's, also after the later calls ran (a replay writes
+    new tensors); the later calls replay, or (`replays` False) say why they cannot."""
+    region = Scheduler(rt, SchedulerConfig(auto_flush_ms=None, fuse=fuse)).trace(fn)
+    fresh = tuple(torch.randn_like(x) for x in inputs)
+    calls = [(args, region(*args)) for args in (inputs, fresh, inputs)]
+    for args, got in calls:
+        torch.testing.assert_close(got, fn(*args), **tolerance)
+    stats = region.stats
+    assert stats.replayed == (2 if replays else 0), stats
+    assert (stats.recorded, stats.misses) == ((1, 1) if replays else (0, 1)), stats
+    assert replays or sum(stats.not_replayable.values()) == 3, stats
 
 
 def chain(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -45,7 +65,7 @@ def test_mlp_block_runs_matmuls_in_torch_and_activations_on_the_runtime(rt: Runt
     mlp = mlp.to(rt.device)
     x = rand(rt, 4, 32)
     with torch.no_grad():
-        sched = compare(rt, lambda x: mlp(x) + x, x)
+        sched = compare(rt, lambda x: mlp(x) + x, x, replays=False)  # addmm runs in torch
     assert sched.stats.fallbacks["aten.addmm.default"] == 2
     assert sched.stats.intercepted == 2 and sched.stats.tasks == 2  # gelu, residual add
 
@@ -108,7 +128,8 @@ def test_single_token_softmax_attention_matches_eager(rt: Runtime) -> None:
         scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
         return torch.softmax(scores, dim=-1) @ v
 
-    sched = compare(rt, attend, rand(rt, 4, 1, 32), rand(rt, 4, 37, 32), rand(rt, 4, 37, 32))
+    sched = compare(rt, attend, rand(rt, 4, 1, 32), rand(rt, 4, 37, 32), rand(rt, 4, 37, 32),
+                    replays=False)  # bmm runs in torch
     assert sched.stats.intercepted == 2 and sched.stats.tasks == 2  # the scaling, the softmax
     assert sched.stats.fallbacks["aten.bmm.default"] == 2
 
@@ -126,7 +147,7 @@ def test_in_place_update_of_a_pending_result_sees_its_value(rt: Runtime) -> None
         y.add_(1)
         return y
 
-    sched = compare(rt, fn, rand(rt, 64))
+    sched = compare(rt, fn, rand(rt, 64), replays=False)  # add_ runs in torch
     assert sched.stats.flushes == 1
 
 
@@ -137,7 +158,7 @@ def test_in_place_update_of_an_input_waits_for_the_pending_task(rt: Runtime) -> 
         x.add_(1)  # y must see x before the update
         return y, torch.sigmoid(x)
 
-    compare(rt, fn, rand(rt, 64))
+    compare(rt, fn, rand(rt, 64), replays=False)  # clone and add_ run in torch
 
 
 def test_views_of_pending_results_are_written_and_read_after_a_flush(rt: Runtime) -> None:
@@ -147,7 +168,7 @@ def test_views_of_pending_results_are_written_and_read_after_a_flush(rt: Runtime
         alias = torch.sigmoid(x).detach()  # an alias that does not keep its base alive
         return row, col * 2, torch.exp(row), alias  # ops reading views of pending results
 
-    sched = compare(rt, fn, rand(rt, 4, 5))
+    sched = compare(rt, fn, rand(rt, 4, 5), replays=False)  # views of results flush
     assert sched.stats.flushes >= 1
 
 
