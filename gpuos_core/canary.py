@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,7 +36,8 @@ class Comparison:
 
     max_abs_deviation: float  # largest |candidate - current| where both are finite
     nonfinite: int            # elements NaN or infinite in the candidate, finite in the current
-    cases: list[dict]         # per input case and dtype: shape, dtype, max_abs_deviation, nonfinite
+    cases: list[dict] = field(repr=False)  # per input case and dtype: shape, dtype,
+                                           # max_abs_deviation, nonfinite
 
 
 def canary_scalars(spec: OpSpec) -> list[float]:

@@ -30,7 +30,7 @@ from .backends.base import Backend
 from .backends.cpu import CpuBackend
 from .batch import Batch
 from .calls import LaidOut, OpCall, Prepared
-from .canary import run_sandboxed
+from .canary import Comparison, compare_with_current, run_sandboxed
 from .catalogue import OpSpec, expression_spec, new_version, prepare
 from .config import RuntimeConfig
 from .errors import BackendUnavailableError, RawCudaDisabledError, RuntimeClosedError
@@ -54,6 +54,7 @@ class ChangeReport:
     link_ms: float      # linking the image, off the request path
     pause_ms: float     # submissions held: drain in-flight batches, load, publish
     load_ms: float      # drain plus the backend's load (worker stop, module load), in the pause
+    comparison: Comparison | None = None  # a swapped-in version beside the one it replaced
 
 
 @dataclass(frozen=True)
@@ -234,16 +235,20 @@ class Runtime:
             self._activate(table, candidate=spec if canary else None)
             return made
 
-    def swap(self, name: str, expression: str, cuda: str | None = None,
-             canary: bool = True) -> OpVersion:
+    def swap(self, name: str, expression: str, cuda: str | None = None, canary: bool = True,
+             allow_nonfinite: bool = False) -> OpVersion:
         """Make a new version of `name` current; the version it replaces stays loaded (previous).
         A version that fails to compile or fails its canary raises and changes nothing;
-        `canary` as for `register`."""
+        `canary` as for `register`. With `canary`, the new version first runs beside the current
+        one on the canary inputs (`last_change.comparison`): NonFiniteOutputError where it is
+        NaN or infinite and the current one is finite, unless `allow_nonfinite`."""
         with self._change_lock:
-            spec = new_version(self._state.table.current(name).spec, expression,
-                               self._allowed(cuda))
+            current = self._state.table.current(name).spec
+            spec = new_version(current, expression, self._allowed(cuda))
+            compared = (compare_with_current(current, spec, secrets.randbits(31), allow_nonfinite)
+                        if canary else None)
             table, made = self._state.table.swapped(spec)
-            self._activate(table, candidate=spec if canary else None)
+            self._activate(table, candidate=spec if canary else None, comparison=compared)
             return made
 
     def rollback(self, name: str) -> OpVersion:
@@ -282,7 +287,7 @@ class Runtime:
 
     # -- internals -----------------------------------------------------------------------------
     def _activate(self, table: OpTable, compile_new: bool = True,
-                  candidate: OpSpec | None = None) -> None:
+                  candidate: OpSpec | None = None, comparison: Comparison | None = None) -> None:
         """Compile what is new, canary-check `candidate`, link the image (all off the request
         path), then quiesce, load and publish."""
         slots = table.slots()
@@ -306,7 +311,7 @@ class Runtime:
         self.last_change = ChangeReport(
             image.generation, 1e3 * (compiled - started) + build.compile_ms,
             1e3 * (checked - compiled), build.link_ms, 1e3 * (time.perf_counter() - paused),
-            1e3 * (loaded - paused))
+            1e3 * (loaded - paused), comparison)
         log.info("%s", self.last_change)
 
     def _canary(self, candidate: OpSpec | None) -> None:

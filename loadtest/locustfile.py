@@ -1,7 +1,8 @@
 """Locust users for gpuos-serve. Every answer's content is checked, not only its status.
 
     MicroOpUser  softmax over a few rows and elementwise ops (add, mul, sigmoid, tanh) on fresh
-                 random inputs, checked against numpy
+                 random inputs, checked against numpy; tensors sent as --encoding (list or b64),
+                 answers checked for --check (values, or only the shape: an echo baseline)
     StormUser    calls the storm operator and checks each answer against the version it reports
     StormAdmin   (exactly one) swaps the storm operator every second; every fourth change is a
                  rollback
@@ -17,9 +18,11 @@ Environment: GPUOS_ADMIN_TOKEN (StormAdmin, and StormUser's look-ups of version 
 GPUOS_STORM_OP (the storm operator's name, default storm_affine), GPUOS_LOAD_MODEL (CompletionUser's
 model when GET /v1/models fails; unset, that failure stops the run). CompletionUser's options:
 --max-tokens (16), --stream-fraction (0.5), --tokens-out (a JSON file for the token counts).
+MicroOpUser's and StormUser's: --encoding (list), --check (values).
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -53,9 +56,26 @@ GENERATED = Generated()  # CompletionUser's tokens in checked answers, this proc
 rng = np.random.default_rng()
 
 
-def tensor(x: np.ndarray) -> dict[str, Any]:
-    """The JSON form of a float32 array (flat data and shape)."""
+ENCODINGS = ("list", "b64")
+CHECKS = ("values", "shape")
+WIRE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}  # answers' b64 dtypes read here
+
+
+def tensor(x: np.ndarray, encoding: str = "list") -> dict[str, Any]:
+    """The JSON form of a float32 array: flat data and shape, or its bytes in base64."""
+    if encoding == "b64":
+        raw = x.astype(WIRE["float32"]).tobytes()
+        return {"b64": base64.b64encode(raw).decode("ascii"), "shape": list(x.shape),
+                "dtype": "float32"}
     return {"data": x.reshape(-1).tolist(), "shape": list(x.shape), "dtype": "float32"}
+
+
+def values(out: dict[str, Any]) -> np.ndarray:
+    """The flat float32 values of an answer's tensor, in either encoding."""
+    if "b64" in out:
+        raw = base64.b64decode(out["b64"], validate=True)
+        return np.frombuffer(raw, dtype=WIRE[out["dtype"]]).astype(np.float32)
+    return np.asarray(out["data"], dtype=np.float32)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -72,12 +92,15 @@ def status_problem(response: Any) -> str | None:
     return f"HTTP {response.status_code}: {str(detail)[:200]}"
 
 
-def mismatch(body: dict[str, Any], want: np.ndarray) -> str | None:
-    """Why `body` (an OpResponse) is not `want`, or None when it matches."""
+def mismatch(body: dict[str, Any], want: np.ndarray, check: str = "values") -> str | None:
+    """Why `body` (an OpResponse) is not `want` (only its shape for `check` "shape"), or None
+    when it matches."""
     out = body["output"]
     if out["shape"] != list(want.shape):
         return f"shape {out['shape']} != {list(want.shape)}"
-    got = np.asarray(out["data"], dtype=np.float32).reshape(want.shape)
+    if check == "shape":
+        return None
+    got = values(out).reshape(want.shape)
     if not np.allclose(got, want, rtol=RTOL, atol=ATOL):
         return f"values off by up to {float(np.max(np.abs(got - want))):.3g}"
     return None
@@ -89,9 +112,18 @@ class CheckedUser(FastHttpUser):
     abstract = True
     wait_time = constant(0)  # closed loop: each user has one request in flight
 
+    def on_start(self) -> None:
+        options = self.environment.parsed_options
+        self.encoding: str = options.encoding if options else "list"
+        self.check: str = options.check if options else "values"
+
+    def mismatch(self, body: dict[str, Any], want: np.ndarray) -> str | None:
+        """`mismatch` under this run's --check."""
+        return mismatch(body, want, self.check)
+
     def call(self, op: str, inputs: list[np.ndarray], check: Callable[[dict[str, Any]], str | None],
              name: str | None = None) -> None:
-        payload = {"inputs": [tensor(x) for x in inputs]}
+        payload = {"inputs": [tensor(x, self.encoding) for x in inputs]}
         with self.client.post(f"/v1/ops/{op}", json=payload, name=name or f"/v1/ops/{op}",
                               catch_response=True) as response:
             if problem := status_problem(response):
@@ -109,13 +141,13 @@ class MicroOpUser(CheckedUser):
     @task(3)
     def softmax_rows(self) -> None:
         x = rng.standard_normal((int(rng.integers(1, 9)), 64), dtype=np.float32)
-        self.call("softmax", [x], lambda body: mismatch(body, softmax(x)))
+        self.call("softmax", [x], lambda body: self.mismatch(body, softmax(x)))
 
     @task(2)
     def elementwise(self) -> None:
         op = str(rng.choice(list(ELEMENTWISE)))
         xs = [rng.standard_normal(256, dtype=np.float32) for _ in range(ARITY[op])]
-        self.call(op, xs, lambda body: mismatch(body, ELEMENTWISE[op](*xs)),
+        self.call(op, xs, lambda body: self.mismatch(body, ELEMENTWISE[op](*xs)),
                   name="/v1/ops/[elementwise]")
 
 
@@ -137,7 +169,7 @@ class StormUser(CheckedUser):
         if version not in VERSIONS:
             return f"version {version} is not in the operator's history"
         scale, shift = VERSIONS[version]
-        return mismatch(body, x * np.float32(scale) + np.float32(shift))
+        return self.mismatch(body, x * np.float32(scale) + np.float32(shift))
 
     def learn_versions(self) -> None:
         with self.client.get(f"/admin/ops/{STORM_OP}", headers=admin_headers(),
@@ -275,6 +307,15 @@ def completion_options(parser: Any) -> None:
                         help="the fraction of CompletionUser's requests that stream")
     parser.add_argument("--tokens-out", default="",
                         help="where CompletionUser writes its token counts (JSON) at test stop")
+
+
+@events.init_command_line_parser.add_listener
+def micro_options(parser: Any) -> None:
+    """MicroOpUser's and StormUser's options."""
+    parser.add_argument("--encoding", choices=ENCODINGS, default="list",
+                        help="how operator calls send their tensors: JSON lists or base64 bytes")
+    parser.add_argument("--check", choices=CHECKS, default="values",
+                        help="what operator answers are checked for (shape: for an echo server)")
 
 
 @events.test_stop.add_listener

@@ -4,9 +4,12 @@
     python -m loadtest.run swap-storm --users 16 --duration 30
     python -m loadtest.run completions --users 16 --duration 60 --stream-fraction 0.5
     python -m loadtest.run micro --url http://127.0.0.1:8000 --admin-token "$GPUOS_ADMIN_TOKEN"
+    python -m loadtest.run micro --ingress haproxy --encoding b64    # HAProxy, base64 tensors
 
 Without --url it starts the app itself (`serve run` of --config on a free port, a fresh operator
-registry, a random admin token) and stops it afterwards; with --url it puts the coalescer's knobs
+registry, a random admin token; --ingress haproxy: behind HAProxy in Serve's throughput-optimized
+mode where the haproxy program exists, see loadtest/launch.py) and stops it afterwards; with --url
+it puts the coalescer's knobs
 back as they were when it ends. After --warmup seconds of unrecorded load, for each coalescing mode
 it sets the knob on every replica (PUT /admin/coalescer), runs Locust headless and writes into
 --out: <scenario>-<mode>_stats.csv (and Locust's other CSVs and its final JSON),
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import os
 import platform
 import secrets
@@ -36,7 +40,7 @@ import requests
 
 from loadtest.completions import (COMPLETION, MAX_TOKENS, MEASURES, STREAM, STREAM_FRACTION, TTFT,
                                   Generated)
-from loadtest.launch import REPO, served
+from loadtest.launch import INGRESSES, REPO, ingress_env, served
 from loadtest.storm import admin_headers, ensure_registered
 
 SCENARIOS = {  # scenario → Locust user classes
@@ -54,6 +58,7 @@ class Target:
 
     url: str
     admin_token: str
+    ingress: str = "proxy"  # what serves its HTTP port (launch.INGRESSES); "" for --url
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=REPO / "deployments" / "llm.yaml",
                         help="Serve config to start when no --url is given")
     parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--ingress", choices=INGRESSES, default="proxy",
+                        help="the started app's ingress: Ray Serve's proxy, or HAProxy with "
+                             "throughput-optimized Serve (falls back to the proxy, saying so, "
+                             "where there is no haproxy program)")
+    parser.add_argument("--encoding", choices=("list", "b64"), default="list",
+                        help="micro, swap-storm: how calls send tensors (JSON lists, base64)")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
                         help="completions: max_tokens")
     parser.add_argument("--stream-fraction", type=float, default=STREAM_FRACTION,
@@ -126,9 +137,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = (args.out or REPO / "loadtest" / "results" / f"{args.scenario}-{stamp}").resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = report_dir(args.out, args.scenario)
     modes = ("on", "off") if args.coalescing == "both" else (args.coalescing,)
     with target_app(args, out) as target:
         if args.warmup > 0:  # a fresh app's first seconds (imports, connections) skew mode 1
@@ -143,13 +152,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if any(r.failures for r in runs) else 0
 
 
+def report_dir(out: Path | None, name: str) -> Path:
+    """`out`, else loadtest/results/<name>-<time>; made if missing."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = (out or REPO / "loadtest" / "results" / f"{name}-{stamp}").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @contextmanager
 def target_app(args: argparse.Namespace, out: Path) -> Iterator[Target]:
     """The app at --url, or one started from --config for the duration of the block."""
     if args.url:
         if not args.admin_token:
             raise SystemExit("--url needs --admin-token (or $GPUOS_ADMIN_TOKEN) to set the knobs")
-        target = Target(args.url.rstrip("/"), args.admin_token)
+        target = Target(args.url.rstrip("/"), args.admin_token, ingress="")
         knobs = coalescer_knobs(target)
         try:
             yield target
@@ -157,10 +174,11 @@ def target_app(args: argparse.Namespace, out: Path) -> Iterator[Target]:
             put_coalescer(target, knobs)
         return
     token = secrets.token_urlsafe(16)
+    ingress, env = ingress_env(args.ingress)
     with tempfile.TemporaryDirectory(prefix="gpuos-load-") as state, served(
             args.config, out, {"backend": args.backend, "state_dir": state,
-                               "admin_token": token}) as app:
-        yield Target(app.url, token)
+                               "admin_token": token}, env=env) as app:
+        yield Target(app.url, token, ingress)
 
 
 def run_mode(target: Target, args: argparse.Namespace, mode: str, out: Path) -> RunSummary:
@@ -207,13 +225,20 @@ def total_stats(target: Target) -> dict[str, float]:
 
 
 def run_locust(target: Target, args: argparse.Namespace, prefix: Path, seconds: float) -> None:
+    options = [*completion_options(args, prefix), "--encoding", args.encoding]
+    locust(target, args.users, seconds, prefix, [*options, *SCENARIOS[args.scenario]])
+
+
+def locust(target: Target, users: int, seconds: float, prefix: Path,
+           options: Sequence[str]) -> None:
+    """Locust headless against `target`: `users` users, all started at once, for `seconds`; its
+    CSVs and final JSON at `prefix`. `options` are the locustfile's options and user classes."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-               "-u", str(args.users), "-r", str(args.users), "-t", f"{seconds:g}s",
+               "-u", str(users), "-r", str(users), "-t", f"{seconds:g}s",
                "--host", target.url, "--csv", str(prefix), "--csv-full-history",
                "--json-file", str(prefix) + "_locust",
-               "--only-summary", "--exit-code-on-error", "0", "--loglevel", "WARNING",
-               *completion_options(args, prefix), *SCENARIOS[args.scenario]]
+               "--only-summary", "--exit-code-on-error", "0", "--loglevel", "WARNING", *options]
     env = {**os.environ, "GPUOS_ADMIN_TOKEN": target.admin_token}
     subprocess.run(command, check=True, env=env, cwd=REPO)
 
@@ -236,9 +261,7 @@ def summarize(args: argparse.Namespace, mode: str, prefix: Path, before: dict[st
     """The run's totals from Locust's final JSON (its stats CSV is written periodically and can
     miss the last second), the coalescer's counters before and after, and for completions the
     locustfile's token counts."""
-    entries = json.loads(Path(f"{prefix}_locust.json").read_text())
-    span = (max(e["last_request_timestamp"] for e in entries)
-            - min(e["start_time"] for e in entries)) if entries else 0.0
+    entries, span = locust_entries(prefix)
     total = request_stats([e for e in entries if e["name"] not in MEASURES], span)
     per_request = {name: request_stats([e for e in entries if e["name"] == name], span)
                    for name in sorted({e["name"] for e in entries})}
@@ -252,6 +275,14 @@ def summarize(args: argparse.Namespace, mode: str, prefix: Path, before: dict[st
         p95_ms=total.p95_ms, p99_ms=total.p99_ms,
         mean_batch_size=tasks / submissions if submissions else 0.0, submissions=submissions,
         per_request=per_request, generation=generation, csv_prefix=str(prefix))
+
+
+def locust_entries(prefix: Path) -> tuple[list[dict], float]:
+    """The entries of Locust's final JSON of the run at `prefix`, and the seconds they span."""
+    entries = json.loads(Path(f"{prefix}_locust.json").read_text())
+    span = (max(e["last_request_timestamp"] for e in entries)
+            - min(e["start_time"] for e in entries)) if entries else 0.0
+    return entries, span
 
 
 def request_stats(entries: Sequence[dict], span: float) -> RequestStats:
@@ -308,14 +339,19 @@ def ratios(runs: Sequence[RunSummary]) -> dict[str, float]:
 
 
 def describe(target: Target) -> dict[str, object]:
-    """Where the numbers come from: backend, host, commit."""
+    """Where the numbers come from: backend, ingress, host, commit."""
     backend = requests.get(f"{target.url}/healthz", timeout=30).json()["backend"]
+    return {"backend": backend, "url": target.url, "ingress": target.ingress, **host_facts()}
+
+
+def host_facts() -> dict[str, object]:
+    """The host, its CPUs, the commit and the time."""
     # $GPUOS_COMMIT first: a copied working tree (the GPU host) may carry a stale .git.
     commit = os.environ.get("GPUOS_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
         capture_output=True).stdout.strip()
-    return {"backend": backend, "url": target.url, "host": platform.node(),
-            "cpus": os.cpu_count(), "commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return {"host": platform.node(), "cpus": os.cpu_count(), "commit": commit,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def plot(runs: Sequence[RunSummary], path: Path) -> None:
@@ -366,4 +402,5 @@ def history(path: Path, name: str = "Aggregated") -> tuple[list[float], dict[str
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     sys.exit(main())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import secrets
+import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -32,16 +32,26 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gpuos_core import GpuosError, Runtime, TaskFailedError
-from gpuos_core.canary import Comparison, compare_with_current
-from gpuos_core.catalogue import new_version
+from gpuos_core.canary import Comparison
 
 from .coalescer import Coalescer
 from .config import ADMIN_TOKEN_ENV, AppArgs, CoalescerConfig
-from .errors import AdminAuthError, RequestTooLargeError, ServingError, error_response
+from .errors import (
+    AdminAuthError,
+    RequestTooLargeError,
+    ServingError,
+    error_body,
+    error_response,
+    status_of,
+)
+from .jsonfast import json_response
 from .metrics import CONTENT_TYPE, ReplicaMetrics, exposition
 from .registry import ChangeNote, ReplicaRegistry
 from .schemas import (
     AdminOp,
+    BatchCall,
+    BatchRequest,
+    BatchResponse,
     ChangeResponse,
     CoalescerUpdate,
     HealthResponse,
@@ -55,15 +65,21 @@ from .schemas import (
     SwapRequest,
     admin_op,
     canary_report,
-    check_output_size,
     error_responses,
-    from_tensor,
     op_infos,
     stats_total,
+)
+from .tensors import (
+    Budgets,
+    answer_encoding,
+    check_output_size,
+    from_tensor,
+    request_budgets,
     to_call,
 )
 from .watch import SwapWatch
 
+log = logging.getLogger("gpuos.serving")
 INLINE_JSON_BYTES = 1 << 16  # smaller bodies are parsed on the event loop (a thread costs more)
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 T = TypeVar("T")
@@ -263,20 +279,23 @@ def _inference_routes(replica: Services) -> APIRouter:
         """Run `op` on the given tensors, coalesced with concurrent requests into one submission.
         404 unknown op, 413 too many elements (inputs or result), 422 inputs that do not fit,
         500 the task failed, 503 queue full (retry after Retry-After), 504 deadline passed."""
-        spec = replica.runtime.table.current(op).spec  # 404 before building tensors
-        call = to_call(op, body, replica.args.max_elements, replica.runtime.device)
-        check_output_size(spec, call, replica.args.max_elements)
-        try:
-            done = await replica.coalescer.submit(call)
-        except TaskFailedError as exc:
-            replica.watch.failed(op, replica.runtime.table.current(op).version, str(exc))
-            raise
-        replica.watch.check_result(call, done.version, done.out)
-        answer = OpResponse.model_construct(op=op, version=done.version,
-                                            output=from_tensor(done.out),
-                                            replica=replica.replica_id)
-        # Serialized once here: FastAPI would validate and convert the result twice more.
-        return Response(answer.model_dump_json(), media_type="application/json")
+        answer = await _run_call(replica, op, body, request_budgets(replica.args.max_elements))
+        # Written once here: FastAPI would validate and convert the result twice more.
+        return json_response({**answer, "replica": replica.replica_id})
+
+    @router.post("/batch", response_model=None, responses={
+        200: {"model": BatchResponse, "description": "one result or error per call, in order"},
+        **error_responses(413, 422)})
+    async def run_batch(body: BatchRequest) -> Response:
+        """Run many calls, coalesced with each other and with concurrent requests. Each call gets
+        its own result or the error POST /v1/ops/{op} would have answered it with, and its
+        status: one failing call fails no other. The calls' inputs together, and their results
+        together, may have at most max_elements elements, as one call's may (a call past that
+        gets 413). 413 a body over the limit, 422 a body the schema refuses (whole)."""
+        budgets = request_budgets(replica.args.max_elements)
+        results = await asyncio.gather(*(_batch_entry(replica, call, budgets)
+                                         for call in body.calls))
+        return json_response({"results": results, "replica": replica.replica_id})
 
     @router.get("/stats")
     async def stats() -> StatsResponse:
@@ -285,6 +304,35 @@ def _inference_routes(replica: Services) -> APIRouter:
         return StatsResponse(replicas=replicas, total=stats_total(replicas))
 
     return router
+
+
+async def _run_call(replica: Services, op: str, request: OpRequest,
+                    budgets: Budgets) -> dict[str, Any]:
+    """One call through the coalescer: its answer's `op`, `version` and `output`. Its inputs and
+    result are counted against `budgets`; the error classes say what failed."""
+    spec = replica.runtime.table.current(op).spec  # 404 before building tensors
+    call = to_call(op, request, budgets.inputs, replica.runtime.device)
+    check_output_size(spec, call, budgets.results)
+    try:
+        done = await replica.coalescer.submit(call)
+    except TaskFailedError as exc:
+        replica.watch.failed(op, replica.runtime.table.current(op).version, str(exc))
+        raise
+    replica.watch.check_result(call, done.version, done.out)
+    return {"op": op, "version": done.version,
+            "output": from_tensor(done.out, answer_encoding(request))}
+
+
+async def _batch_entry(replica: Services, call: BatchCall, budgets: Budgets) -> dict[str, Any]:
+    """One call of a batch: its result, or its error as POST /v1/ops/{op} would answer it."""
+    try:
+        return {"status": 200, **await _run_call(replica, call.op, call, budgets)}
+    except Exception as exc:  # each call's own answer; the batch goes on
+        status = status_of(exc)
+        replica.metrics.error(type(exc).__name__, status)
+        if status >= 500:  # the single route's handler would log these
+            log.warning("batch call of %s failed: %r", call.op, exc, exc_info=status == 500)
+        return {"status": status, "op": call.op, **error_body(exc, status)}
 
 
 def _admin_routes(replica: Services) -> APIRouter:
@@ -354,13 +402,12 @@ def _admin_routes(replica: Services) -> APIRouter:
 
 
 def _checked_swap(runtime: Runtime, name: str, body: SwapRequest) -> Comparison:
-    """Compare the new version with the current one (NonFiniteOutputError unless allowed), then
-    swap it in (compile, sandboxed canary on a GPU, activate)."""
-    current = runtime.table.current(name).spec
-    comparison = compare_with_current(current, new_version(current, body.expression, body.cuda),
-                                      secrets.randbits(31), body.allow_nonfinite)
-    runtime.swap(name, body.expression, cuda=body.cuda)
-    return comparison
+    """Swap the new version in: compared with the current one (NonFiniteOutputError unless
+    allowed), compiled, sandbox-checked on a GPU, activated. Returns the comparison."""
+    runtime.swap(name, body.expression, cuda=body.cuda, allow_nonfinite=body.allow_nonfinite)
+    change = runtime.last_change  # this swap's: the registry applies one change at a time
+    assert change is not None and change.comparison is not None, "swap() compares when canary"
+    return change.comparison
 
 
 def _check_token(expected: str | None, authorization: str | None) -> None:

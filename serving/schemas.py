@@ -1,9 +1,11 @@
-"""HTTP request and response bodies (pydantic; they make the OpenAPI docs at /docs) and the
-conversion between JSON tensors and torch tensors.
+"""HTTP request and response bodies (pydantic; they make the OpenAPI docs at /docs). The conversion
+between these tensors and torch tensors is serving/tensors.py.
 
-JSON has no NaN or infinity: tensors write them as the strings "NaN", "Infinity" and "-Infinity",
-in answers and in requests (which also take the bare literals NaN and Infinity some encoders
-write); null is refused, as it could mean any of them or a missing value.
+A tensor travels in one of two encodings: nested lists of numbers (`TensorIn`, `TensorOut`), or
+its little-endian bytes in base64 with dtype and shape (`TensorB64`), which costs no Python per
+element. JSON has no NaN or infinity: lists write them as the strings "NaN", "Infinity" and
+"-Infinity", in answers and in requests (which also take the bare literals NaN and Infinity some
+encoders write); null is refused, as it could mean any of them or a missing value.
 """
 from __future__ import annotations
 
@@ -12,27 +14,26 @@ from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
-import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from gpuos_core import OpCall
 from gpuos_core.canary import Comparison
-from gpuos_core.catalogue import OpSpec
 from gpuos_core.optable import OpTable
 
 from .config import CoalescerConfig, DeadlineMs, MaxBatch, MaxQueue, WindowUs
-from .errors import RequestTooLargeError, TensorDataError, finite_json
 from .registry import Action, ChangeRecord, VersionRecord, version_record
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 DTYPES: Mapping[Dtype, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES: Mapping[torch.dtype, Dtype] = {v: k for k, v in DTYPES.items()}
+Encoding = Literal["list", "b64"]
 NonFinite = Literal["NaN", "Infinity", "-Infinity"]
 NONFINITE: Mapping[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 MAX_DIMS = 8  # more than any operator takes (the runtime says which)
+MAX_BATCH_CALLS = 256  # calls in one POST /v1/batch (max_ongoing_requests of the shipped configs)
 Dim = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Shape = Annotated[list[Dim], Field(max_length=MAX_DIMS)]
 
 
 class _Strict(BaseModel):
@@ -48,23 +49,44 @@ class TensorIn(_Strict):
 
     data: list[Any] = Field(description='nested lists of numbers, or a flat list with `shape`; '
                                         '"NaN", "Infinity", "-Infinity" for non-finite values')
-    shape: list[Dim] | None = Field(None, max_length=MAX_DIMS,
-                                    description="required for a flat list of a >1-D tensor")
+    shape: Shape | None = Field(None, description="required for a flat list of a >1-D tensor")
     dtype: Dtype = "float32"
+
+
+class TensorB64(_Strict):
+    """A tensor as its bytes: row-major, little-endian, in standard base64 with padding (RFC 4648,
+    section 4). Its byte count must be the product of `shape` times the dtype's size (4 for
+    float32, 2 for float16 and bfloat16)."""
+
+    b64: str = Field(description="base64 of the tensor's little-endian bytes, row-major")
+    shape: Shape = Field(description="the tensor's shape ([] for a single number)")
+    dtype: Dtype = "float32"
+
+
+def _encoding_of(value: Any) -> Encoding:
+    """Which tensor model a request's tensor is: b64 when it has that key."""
+    has_b64 = isinstance(value, TensorB64) or (isinstance(value, dict) and "b64" in value)
+    return "b64" if has_b64 else "list"
+
+
+TensorInput = Annotated[Annotated[TensorIn, Tag("list")] | Annotated[TensorB64, Tag("b64")],
+                        Discriminator(_encoding_of)]
 
 
 class OpRequest(_Strict):
     """Inputs and options of one operator call."""
 
-    inputs: list[TensorIn] = Field(description="positional tensor inputs")
+    inputs: list[TensorInput] = Field(description="positional tensor inputs, each as lists or b64")
     out_dtype: Dtype | None = Field(None, description="output dtype (default: promoted inputs)")
+    out_encoding: Encoding | None = Field(None, description="the result's encoding (default: b64 "
+                                                            "if an input is b64, else list)")
     scalars: dict[str, float] = Field({}, description="named parameters, e.g. {'eps': 1e-5}")
     dims: list[int] | None = Field(None, description="sum/mean: dims to reduce (default all)")
     keepdim: bool = False
 
 
 class TensorOut(BaseModel):
-    """A result tensor: its elements in row-major order, shape and dtype."""
+    """A result tensor as lists: its elements in row-major order, shape and dtype."""
 
     data: list[float | NonFinite] = Field(description='row-major; non-finite values as "NaN", '
                                                       '"Infinity", "-Infinity"')
@@ -72,13 +94,44 @@ class TensorOut(BaseModel):
     dtype: Dtype
 
 
-class OpResponse(BaseModel):
-    """The result of one call and what computed it."""
+class TensorB64Out(BaseModel):
+    """A result tensor as bytes, encoded as `TensorB64` (in its own dtype)."""
+
+    b64: str
+    shape: list[int]
+    dtype: Dtype
+
+
+class OpResult(BaseModel):
+    """One call's result and what computed it."""
 
     op: str
     version: int = Field(description="operator version that computed this result")
-    output: TensorOut
+    output: TensorOut | TensorB64Out
+
+
+class OpResponse(OpResult):
+    """The answer to POST /v1/ops/{op}."""
+
     replica: str = Field(description="the replica that answered")
+
+
+class BatchCall(OpRequest):
+    """One call of a batch: the operator and its request."""
+
+    op: str = Field(description="the operator, as in POST /v1/ops/{op}")
+
+
+class BatchRequest(_Strict):
+    """Many operator calls in one request, coalesced with each other and with other requests."""
+
+    calls: list[BatchCall] = Field(min_length=1, max_length=MAX_BATCH_CALLS)
+
+
+class CallDone(OpResult):
+    """A batch call that succeeded."""
+
+    status: Literal[200]
 
 
 class ScalarInfo(BaseModel):
@@ -284,6 +337,21 @@ class ErrorBody(BaseModel):
     detail: str = Field(description="what was wrong and what to do about it")
 
 
+class CallFailed(ErrorBody):
+    """A batch call that failed: the status and the error body POST /v1/ops/{op} would have
+    answered it with, and its operator."""
+
+    status: int = Field(description="the HTTP status this call alone would have got")
+    op: str
+
+
+class BatchResponse(BaseModel):
+    """One entry per call, in the order of the calls."""
+
+    results: list[CallDone | CallFailed]
+    replica: str = Field(description="the replica that answered")
+
+
 class OpenAIErrorFields(BaseModel):
     message: str
     type: str = Field(description="invalid_request_error, server_busy or server_error")
@@ -302,85 +370,3 @@ def error_responses(*statuses: int, openai: bool = False) -> dict[int | str, dic
     model = OpenAIErrorBody if openai else ErrorBody
     return {status: {"model": model, "description": HTTPStatus(status).phrase}
             for status in statuses}
-
-
-# -- tensors -----------------------------------------------------------------------------------
-def to_call(op: str, request: OpRequest, max_elements: int, device: torch.device) -> OpCall:
-    """The runtime call a request describes, its tensors on `device` (the runtime's);
-    RequestTooLargeError past `max_elements` in all."""
-    inputs, left = [], max_elements
-    for i, spec in enumerate(request.inputs):
-        x = to_tensor(spec, f"input {i}", device)
-        left -= x.numel()
-        if left < 0:
-            raise RequestTooLargeError(f"the inputs have more than {max_elements} elements in all; "
-                                       "split the request")
-        inputs.append(x)
-    return OpCall(op, tuple(inputs), scalars=request.scalars,
-                  dims=tuple(request.dims) if request.dims is not None else None,
-                  keepdim=request.keepdim,
-                  out_dtype=DTYPES[request.out_dtype] if request.out_dtype else None)
-
-
-def check_output_size(spec: OpSpec, call: OpCall, max_elements: int) -> None:
-    """RequestTooLargeError when `call`'s result would have more than `max_elements` elements
-    (broadcasting [n, 1] with [1, n], or a linear layer, multiplies small inputs)."""
-    try:
-        shape = spec.kind.layout(call.inputs, call.dims, call.keepdim).out_shape
-    except Exception:  # a call that does not fit: runtime.prepare says why, with the right class
-        return
-    if math.prod(shape) > max_elements:
-        raise RequestTooLargeError(f"the result would have shape {list(shape)}, more than "
-                                   f"{max_elements} elements; split the request")
-
-
-def to_tensor(spec: TensorIn, what: str, device: torch.device) -> torch.Tensor:
-    """A tensor on `device` from its JSON form; TensorDataError says what does not fit. The copy
-    to a GPU runs on this thread's torch stream, which the runtime orders its batch after."""
-    array = _array(spec.data, what)
-    if spec.shape is not None and list(array.shape) != spec.shape:
-        array = _reshaped(array, spec.shape, what)
-    return torch.from_numpy(array).to(device=device, dtype=DTYPES[spec.dtype])
-
-
-def _array(data: list[Any], what: str) -> np.ndarray:
-    """float32 array of numbers in evenly nested lists, strings standing for non-finite values."""
-    try:
-        array = np.asarray(data)  # numbers only: an int or float array, at C speed
-        if array.dtype.kind not in "iuf":  # strings, nulls, booleans: look at each element
-            array = np.vectorize(_number, otypes=[np.float64])(np.asarray(data, dtype=object))
-        return array.astype(np.float32)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise TensorDataError(f"{what}: data must be numbers in evenly nested lists "
-                              f"({exc})") from None
-
-
-def _number(value: object) -> float:
-    """One element: a number, or a string naming a non-finite one; ValueError says why not."""
-    if type(value) in (int, float):  # not bool
-        return value  # type: ignore[return-value]
-    if isinstance(value, str) and value in NONFINITE:
-        return NONFINITE[value]
-    if value is None:
-        raise ValueError('null is not a number; send NaN as "NaN" (infinities as "Infinity", '
-                         '"-Infinity")')
-    raise ValueError(f"got {type(value).__name__} {str(value)[:40]!r}")
-
-
-def _reshaped(array: np.ndarray, shape: list[int], what: str) -> np.ndarray:
-    if array.ndim != 1 or array.size != math.prod(shape):
-        raise TensorDataError(f"{what}: data of shape {list(array.shape)} does not fit shape "
-                              f"{shape}; give nested lists of that shape or a flat list of its "
-                              "size")
-    return array.reshape(shape)
-
-
-def from_tensor(x: torch.Tensor) -> TensorOut:
-    """The JSON form of a result (values converted to float for fp16/bf16; non-finite ones as
-    strings)."""
-    values = x.detach().float().reshape(-1).cpu().numpy()
-    data: list[Any] = values.tolist()
-    for i in np.flatnonzero(~np.isfinite(values)):
-        data[i] = finite_json(data[i])
-    # Built, not validated: a million floats took 200 ms of the event loop to check.
-    return TensorOut.model_construct(data=data, shape=list(x.shape), dtype=DTYPE_NAMES[x.dtype])

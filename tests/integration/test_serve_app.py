@@ -4,6 +4,7 @@ shipped single-replica config on the same state dir, so it must stay last."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import time
@@ -79,9 +80,23 @@ def tensor(x: torch.Tensor) -> dict[str, Any]:
     return {"data": x.float().tolist(), "dtype": str(x.dtype).removeprefix("torch.")}
 
 
+def b64(x: torch.Tensor) -> dict[str, Any]:
+    """The compact form of `x`: its little-endian bytes in base64, shape and dtype."""
+    raw = x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {"b64": base64.b64encode(raw).decode(), "shape": list(x.shape),
+            "dtype": str(x.dtype).removeprefix("torch.")}
+
+
 def output(body: dict[str, Any]) -> torch.Tensor:
+    """An answer's tensor, from either encoding (b64 in its own dtype, lists as float32)."""
     out = body["output"]
-    return torch.tensor(out["data"], dtype=torch.float32).reshape(out["shape"])
+    if "b64" in out:
+        dtype = getattr(torch, out["dtype"])
+        raw = bytearray(base64.b64decode(out["b64"], validate=True))
+        return torch.frombuffer(raw, dtype=dtype).reshape(out["shape"]) if raw else \
+            torch.empty(out["shape"], dtype=dtype)
+    values = [float(v) for v in out["data"]]  # float() reads "NaN", "Infinity", "-Infinity"
+    return torch.tensor(values, dtype=torch.float32).reshape(out["shape"])
 
 
 def call(client: httpx.Client, op: str, *xs: torch.Tensor, **options: Any) -> httpx.Response:
@@ -363,6 +378,114 @@ def test_non_finite_values_travel_as_strings_and_null_is_refused(client: httpx.C
     assert zero.json()["output"]["data"] == ["NaN", "Infinity", "-Infinity"]
     refused = client.post("/v1/ops/neg", json={"inputs": [{"data": [[1.0, None]]}]})
     assert refused.status_code == 422 and "null is not a number" in refused.json()["detail"]
+
+
+ROUND_TRIPS = [  # (op, inputs, options): each sent as lists and as b64
+    ("softmax", [torch.randn(4, 32)], {}),
+    ("add", [torch.randn(3, 1), torch.randn(1, 5)], {}),
+    ("relu", [torch.randn(2, 6)], {"out_dtype": "float16"}),
+    ("layernorm", [torch.randn(3, 16).bfloat16(), torch.randn(16).bfloat16()], {}),
+    ("sum", [torch.randn(2, 3, 4)], {"dims": [1], "keepdim": True}),
+    ("neg", [torch.tensor([1.0, -0.0, 3e38])], {}),
+]
+
+
+@pytest.mark.parametrize(("op", "xs", "options"), ROUND_TRIPS, ids=[r[0] for r in ROUND_TRIPS])
+def test_b64_tensors_give_the_same_results_as_lists(client: httpx.Client, op: str,
+                                                    xs: list[torch.Tensor],
+                                                    options: dict[str, Any]) -> None:
+    as_lists = call(client, op, *xs, **options)
+    compact = client.post(f"/v1/ops/{op}", json={"inputs": [b64(x) for x in xs], **options})
+    assert as_lists.status_code == compact.status_code == 200, compact.text
+    out = compact.json()["output"]
+    assert set(out) == {"b64", "shape", "dtype"}  # answered as asked: in b64
+    assert out["dtype"] == as_lists.json()["output"]["dtype"]
+    torch.testing.assert_close(output(compact.json()).float(), output(as_lists.json()),
+                               rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_answer_encoding_can_be_chosen(client: httpx.Client) -> None:
+    x = torch.randn(5)
+    listed = client.post("/v1/ops/exp", json={"inputs": [b64(x)], "out_encoding": "list"}).json()
+    compact = call(client, "exp", x, out_encoding="b64").json()
+    mixed = client.post("/v1/ops/mul", json={"inputs": [b64(x), tensor(x)]}).json()
+    assert "data" in listed["output"] and "b64" in compact["output"] and "b64" in mixed["output"]
+    torch.testing.assert_close(output(listed), output(compact))
+    torch.testing.assert_close(output(mixed), x * x)
+
+
+def b64_body(text: Any, shape: list[int], **more: Any) -> dict[str, Any]:
+    return {"inputs": [{"b64": text, "shape": shape, **more}]}
+
+
+FOUR_FLOATS = base64.b64encode(bytes(16)).decode()
+MALFORMED_B64 = [  # (body, status, words)
+    (b64_body("@@@@", [1]), 422, "b64 is not valid base64"),
+    (b64_body("AAAAA", [1]), 422, "b64 is not valid base64"),  # padding
+    (b64_body("AAAA\u00e9AAA", [1]), 422, "b64 is not valid base64"),  # not ASCII
+    (b64_body(FOUR_FLOATS, [3]), 422, "b64 holds 16 bytes; shape [3] of float32 needs 12"),
+    (b64_body(FOUR_FLOATS, [4], dtype="float16"), 422, "needs 8 (4 elements of 2 bytes)"),
+    (b64_body(FOUR_FLOATS, [4], dtype="int32"), 422, "'float32', 'float16' or 'bfloat16'"),
+    (b64_body(FOUR_FLOATS, [2 ** 31 - 1] * 3), 422, "b64 holds 16 bytes"),
+    (b64_body(12, [3]), 422, "valid string"),
+    (b64_body(FOUR_FLOATS, [4], data=[1, 2, 3, 4]), 422, "Extra inputs"),
+    ({"inputs": [{"b64": FOUR_FLOATS}]}, 422, "shape"),
+    ({**b64_body(FOUR_FLOATS, [4]), "out_encoding": "hex"}, 422, "out_encoding"),
+    (b64_body(base64.b64encode(bytes(4 * (MAX_ELEMENTS + 1))).decode(), [MAX_ELEMENTS + 1]), 413,
+     f"more than {MAX_ELEMENTS} elements"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "words"), MALFORMED_B64,
+                         ids=[f"{m[1]}-{i}" for i, m in enumerate(MALFORMED_B64)])
+def test_malformed_b64_tensors_are_clear_4xx(client: httpx.Client, body: dict[str, Any],
+                                             status: int, words: str) -> None:
+    response = client.post("/v1/ops/relu", json=body)
+    assert response.status_code == status, response.text
+    assert words in response.json()["detail"]
+    assert isinstance(response.json()["error"], str)
+
+
+def test_a_batch_answers_each_call_on_its_own(client: httpx.Client) -> None:
+    x, y, rows = torch.randn(8), torch.randn(8), torch.randn(3, 16)
+    half = MAX_ELEMENTS // 2 + 1  # the batch's inputs may have MAX_ELEMENTS in all: one fits
+    calls = [
+        {"op": "softmax", "inputs": [b64(rows)]},
+        {"op": "no_such_op", "inputs": [tensor(x)]},
+        {"op": "add", "inputs": [tensor(x), tensor(torch.randn(3))]},
+        {"op": "relu", "inputs": [{"b64": "@@", "shape": [1]}]},
+        {"op": "mul", "inputs": [tensor(x), b64(y)], "out_encoding": "list"},
+        {"op": "neg", "inputs": [b64(torch.zeros(half))]},
+        {"op": "neg", "inputs": [b64(torch.zeros(half))]},
+    ]
+    before = totals(client)
+    response = client.post("/v1/batch", json={"calls": calls})
+    after = totals(client)
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert [r["status"] for r in results] == [200, 404, 422, 422, 200, 200, 413]
+    assert [r["op"] for r in results] == [c["op"] for c in calls]
+    torch.testing.assert_close(output(results[0]), torch.softmax(rows, -1))
+    assert "data" in results[4]["output"]
+    torch.testing.assert_close(output(results[4]), x * y)
+    for failed, words in zip(results[1:4], ("unknown operator", "do not broadcast",
+                                            "not valid base64")):
+        assert words in failed["detail"] and isinstance(failed["error"], str)
+    assert "inputs have more than" in results[6]["detail"]
+    tasks, batches = after["tasks"] - before["tasks"], after["batches"] - before["batches"]
+    assert tasks == 3 and batches == 1  # the good calls, in one submission
+
+
+@pytest.mark.parametrize(("calls", "words"), [
+    ([], "at least 1 item"),
+    ([{"op": "neg", "inputs": [{"data": [1.0]}]}] * 257, "at most 256 items"),
+    ([{"op": "neg"}], "inputs"),
+])
+def test_a_batch_the_schema_refuses_is_refused_whole(client: httpx.Client,
+                                                     calls: list[dict[str, Any]],
+                                                     words: str) -> None:
+    response = client.post("/v1/batch", json={"calls": calls})
+    assert response.status_code == 422 and words in response.json()["detail"], response.text
 
 
 async def oversized(total: int) -> AsyncIterator[bytes]:

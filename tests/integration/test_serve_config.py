@@ -13,7 +13,7 @@ from serving.app import AppArgs, Backend, GpuosIngress, build_app, replica_gpus
 from serving.config import ADMIN_TOKEN_ENV, STATE_DIR_ENV, CoalescerConfig
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = [REPO / "deployments" / "llm.yaml", REPO / "deployments" / "multi.yaml"]
+CONFIGS = [REPO / "deployments" / name for name in ("llm.yaml", "multi.yaml", "llm-2gpu.yaml")]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -27,6 +27,17 @@ def test_shipped_configs_name_the_builder_its_deployment_and_valid_knobs(path: P
     assert deployment.name == GpuosIngress.name
     AppArgs.model_validate(app_schema.args)
     CoalescerConfig.model_validate(deployment.user_config)
+
+
+def test_the_two_gpu_config_runs_two_replicas_of_one_gpu_each_on_cuda() -> None:
+    schema = ServeDeploySchema.model_validate(
+        yaml.safe_load((REPO / "deployments" / "llm-2gpu.yaml").read_text()))
+    (app_schema,) = schema.applications
+    (deployment,) = app_schema.deployments
+    assert deployment.num_replicas == 2
+    # Serve takes a config's ray_actor_options whole, over what the app builder chose.
+    assert deployment.ray_actor_options.num_gpus == 1
+    assert AppArgs.model_validate(app_schema.args).backend == "cuda"
 
 
 @pytest.mark.parametrize("args", [{"backend": "tpu"}, {"backend": "cpu", "bakend": "cuda"},

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpuos_core import OpCall, Runtime
+from gpuos_core import OpCall, Runtime, RuntimeConfig
 from gpuos_core.canary import compare_with_current
 from gpuos_core.catalogue import CATALOGUE, new_version
 from gpuos_core.errors import NonFiniteOutputError
@@ -97,3 +97,19 @@ def test_the_watch_ends_with_its_window(registry: ReplicaRegistry) -> None:
     assert watch.watched("wt", 2)
     time.sleep(0.1)
     assert not watch.watched("wt", 2) and not watch.failed("wt", 2, "too late")
+
+
+def test_the_runtime_refuses_a_nan_swap_without_the_serving_layer(tmp_path: Path) -> None:
+    """Runtime.swap itself compares (not only the admin route): a refused version changes
+    nothing, an allowed one is reported in last_change."""
+    with Runtime(config=RuntimeConfig(backend="cpu", cache_dir=tmp_path)) as rt:
+        x = torch.tensor([-1.0, 0.0, 2.0])
+        before = rt.run("gelu_tanh", x)
+        with pytest.raises(NonFiniteOutputError, match="allow_nonfinite"):
+            rt.swap("gelu_tanh", "sqrt(A) * 0 + A")
+        assert rt.table.current("gelu_tanh").version == 1
+        torch.testing.assert_close(rt.run("gelu_tanh", x), before)
+        made = rt.swap("gelu_tanh", "sqrt(A) * 0 + A", allow_nonfinite=True)
+        assert made.version == 2 and rt.last_change is not None
+        assert rt.last_change.comparison is not None and rt.last_change.comparison.nonfinite > 0
+        assert torch.isnan(rt.run("gelu_tanh", x)[0])

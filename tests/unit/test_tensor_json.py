@@ -1,9 +1,12 @@
 """Tensors in JSON: non-finite values travel as "NaN", "Infinity", "-Infinity" both ways, null and
-other non-numbers are refused, and sizes are checked without overflow."""
+other non-numbers are refused, sizes are checked without overflow, and base64 tensors carry their
+exact bits."""
 from __future__ import annotations
 
+import base64
 import math
 
+import numpy as np
 import pydantic
 import pytest
 import torch
@@ -11,7 +14,9 @@ import torch
 from gpuos_core import OpCall
 from gpuos_core.catalogue import CATALOGUE
 from serving.errors import RequestTooLargeError, TensorDataError
-from serving.schemas import OpRequest, TensorIn, check_output_size, from_tensor, to_tensor
+from serving.jsonfast import dumps
+from serving.schemas import OpRequest, TensorB64, TensorIn
+from serving.tensors import ElementBudget, check_output_size, from_tensor, to_tensor
 
 CPU = torch.device("cpu")
 
@@ -22,10 +27,8 @@ def tensor(data: list, **spec: object) -> torch.Tensor:
 
 def test_non_finite_values_are_strings_and_distinct_in_answers() -> None:
     x = torch.tensor([1.5, math.nan, math.inf, -math.inf], dtype=torch.float16)
-    out = from_tensor(x)
-    assert out.data == [1.5, "NaN", "Infinity", "-Infinity"]
-    assert out.model_dump_json() == ('{"data":[1.5,"NaN","Infinity","-Infinity"],"shape":[4],'
-                                     '"dtype":"float16"}')
+    assert dumps(from_tensor(x)) == (b'{"data":[1.5,"NaN","Infinity","-Infinity"],"shape":[4],'
+                                     b'"dtype":"float16"}')
 
 
 @pytest.mark.parametrize("data", [[1.0, "NaN", "Infinity", "-Infinity"],
@@ -60,9 +63,31 @@ def test_shapes_whose_element_count_overflows_int64_are_refused() -> None:
 
 
 def test_a_result_larger_than_the_limit_is_refused_before_it_is_allocated() -> None:
+    results = ElementBudget(4096 + 3, "the results")
     call = OpCall("add", (torch.zeros(512, 1), torch.zeros(1, 512)))
     with pytest.raises(RequestTooLargeError, match=r"shape \[512, 512\]"):
-        check_output_size(CATALOGUE["add"], call, 4096)
+        check_output_size(CATALOGUE["add"], call, results)
+    check_output_size(CATALOGUE["add"], OpCall("add", (torch.zeros(3),)), results)  # prepare's
     check_output_size(CATALOGUE["add"], OpCall("add", (torch.zeros(64, 1), torch.zeros(1, 64))),
-                      4096)
-    check_output_size(CATALOGUE["add"], OpCall("add", (torch.zeros(3),)), 4096)  # prepare's to say
+                      results)
+    # The budget is shared by a batch's calls: the 4096 elements above are used up.
+    with pytest.raises(RequestTooLargeError, match="results have more than 4099 elements"):
+        check_output_size(CATALOGUE["neg"], OpCall("neg", (torch.zeros(1),)), results)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_b64_tensors_carry_every_bit_both_ways(dtype: torch.dtype) -> None:
+    x = torch.tensor([[1.5, -0.0, math.nan], [math.inf, 1e-3, -7.25]]).to(dtype).t()  # strided
+    out = from_tensor(x, "b64")
+    assert (out["shape"], out["dtype"]) == ([3, 2], str(dtype).removeprefix("torch."))
+    back = to_tensor(TensorB64.model_validate(out), "input 0", CPU)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16  # NaN == NaN, -0.0 != 0.0
+    assert back.dtype == dtype and torch.equal(back.view(bits), x.contiguous().view(bits))
+
+
+def test_b64_bytes_are_little_endian_row_major() -> None:
+    raw = np.array([[1, 2], [3, 4]], dtype="<f2").tobytes()
+    x = to_tensor(TensorB64(b64=base64.b64encode(raw).decode(), shape=[2, 2], dtype="float16"),
+                  "input 0", CPU)
+    assert x.tolist() == [[1, 2], [3, 4]]
+    assert to_tensor(TensorB64(b64="", shape=[0, 4]), "input 0", CPU).shape == (0, 4)
