@@ -346,12 +346,18 @@ def _admin_routes(replica: Services) -> APIRouter:
     @router.get("/ops")
     def list_ops() -> list[AdminOp]:
         """Every operator with its version history, activation stack and change log."""
+        # A replica that started while a change was pushed missed the push (its health check
+        # catches up within a period): an admin read answers from the latest stored state, so a
+        # client reads its own writes whichever replica it reaches (seen on two H200s).
+        replica.registry.catch_up()
         table = replica.runtime.table
         log = replica.registry.applied.log
         return [admin_op(table, name, log) for name in sorted(table.names())]
 
     @router.get("/ops/{name}", responses=error_responses(404))
     def get_op(name: str) -> AdminOp:
+        """One operator, as list_ops has it."""
+        replica.registry.catch_up()  # as in list_ops
         replica.runtime.table.current(name)  # 404 for unknown names
         return admin_op(replica.runtime.table, name, replica.registry.applied.log)
 
