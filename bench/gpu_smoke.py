@@ -1,5 +1,6 @@
 """First contact with a GPU: build the catalogue image, start the CUDA backend, run a few tasks and
 print what happened. Quick to read when something hangs: faulthandler dumps every thread."""
+
 from __future__ import annotations
 
 import faulthandler
@@ -28,8 +29,11 @@ for n in (1, 1000, 10000):
         t1 = time.perf_counter()
         batch.wait(10)
         t2 = time.perf_counter()
-        print(f"{n} adds: submit {1e3 * (t1 - t0):.3f} ms, then complete {1e3 * (t2 - t1):.3f} ms; "
-              f"launches {rt.backend.launches}", flush=True)
+        print(
+            f"{n} adds: submit {1e3 * (t1 - t0):.3f} ms, then complete {1e3 * (t2 - t1):.3f} ms; "
+            f"launches {rt.backend.launches}",
+            flush=True,
+        )
     print("ok", all(torch.equal(r, x + y) for r in batch.results()[:50]), flush=True)
 rt.close()
 print("closed", flush=True)

@@ -23,6 +23,7 @@ Sections (issue 12; each a Section in SECTIONS: its `baseline` runs before the r
              the padded cache with a length mask; GB/s count the K and V bytes the lengths
              cover (summary.attn_r64_bw_frac: 64 requests x 32 heads against the copy bandwidth).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,23 +40,30 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from micro import describe, graph_of, med, sync, times_ms  # bench/ is the script's directory
 
 from gpuos_core import OpCall, Runtime
-from micro import describe, graph_of, med, sync, times_ms  # bench/ is the script's directory
 
 faulthandler.dump_traceback_later(540, exit=True)  # a hang prints where it stuck, then exits
 DEV = torch.device("cuda")
-CALLS = 100          # calls per timed submission / graph (and twice as many)
-L2_SPAN = 4          # the rotated weights span this many times the L2
-LINEAR_SHAPES = [(768, 2304), (768, 3072), (3072, 768), (768, 50257), (2048, 2048),
-                 (2048, 8192), (8192, 2048)]  # (K, N): input dim x output dim
+CALLS = 100  # calls per timed submission / graph (and twice as many)
+L2_SPAN = 4  # the rotated weights span this many times the L2
+LINEAR_SHAPES = [
+    (768, 2304),
+    (768, 3072),
+    (3072, 768),
+    (768, 50257),
+    (2048, 2048),
+    (2048, 8192),
+    (8192, 2048),
+]  # (K, N): input dim x output dim
 LINEAR_ROWS = [1, 8, 32, 64]
-DECODE_ROWS = 64       # rows of a decode step's matmul, at most (summary.linear_min_bw_frac)
+DECODE_ROWS = 64  # rows of a decode step's matmul, at most (summary.linear_min_bw_frac)
 BIG_WEIGHTS = 16 << 20  # ... over weights of at least this many bytes
-ATTN_REQUESTS = [1, 8, 64]       # requests (rows of the engine's attention call)
+ATTN_REQUESTS = [1, 8, 64]  # requests (rows of the engine's attention call)
 ATTN_HEADS = [(32, 32), (32, 8)]  # (query heads, KV heads): multi-head and grouped-query
-ATTN_CAPACITY = 2048             # keys a request's cache holds (L)
-ATTN_LENGTHS = (64, 2048)        # ragged lengths, uniform in this range
+ATTN_CAPACITY = 2048  # keys a request's cache holds (L)
+ATTN_LENGTHS = (64, 2048)  # ragged lengths, uniform in this range
 
 
 @dataclass
@@ -63,7 +71,7 @@ class Context:
     """What every section's measurement shares."""
 
     copy_gbps: float  # device-to-device copy, bytes read plus written per second, / 1e9
-    reps: int         # timed repetitions (medians are reported)
+    reps: int  # timed repetitions (medians are reported)
     l2_bytes: int
 
 
@@ -72,9 +80,9 @@ class Case:
     """One measured shape: torch's figures in its row, and how to make and check our calls (which
     hold its tensors)."""
 
-    row: dict[str, Any]                        # what the JSON and the table show
+    row: dict[str, Any]  # what the JSON and the table show
     make_calls: Callable[[int], list[OpCall]]  # n calls of our operator, outputs preallocated
-    check: Callable[[list[OpCall]], float]     # relative error of our first call's output
+    check: Callable[[list[OpCall]], float]  # relative error of our first call's output
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,7 @@ class Section:
     baseline: Callable[[Context, bool], list[Case]]  # tensors and torch's timings; no runtime yet
     measure: Callable[[Runtime, Case, Context], None]  # our timings into case.row
     summarise: Callable[[list[dict]], dict[str, float]]
-    show: Callable[[dict], str]                      # one table line per row
+    show: Callable[[dict], str]  # one table line per row
 
 
 def copy_bandwidth(reps: int) -> float:
@@ -114,12 +122,18 @@ def measure(rt: Runtime, case: Case, ctx: Context) -> None:
 
     ours_ms, ours_raw = per_call_ms(submission, ctx.reps)
     row = case.row
-    row.update(ours_ms=ours_ms, ours_ms_at_100=ours_raw, ours_over_torch=ours_ms / row["torch_ms"],
-               ours_gbps=row["bytes"] / ours_ms / 1e6,
-               torch_gbps=row["bytes"] / row["torch_ms"] / 1e6,
-               rel_error=case.check(work[CALLS][0]))
-    row.update(ours_bw_frac=row["ours_gbps"] / ctx.copy_gbps,
-               torch_bw_frac=row["torch_gbps"] / ctx.copy_gbps)
+    row.update(
+        ours_ms=ours_ms,
+        ours_ms_at_100=ours_raw,
+        ours_over_torch=ours_ms / row["torch_ms"],
+        ours_gbps=row["bytes"] / ours_ms / 1e6,
+        torch_gbps=row["bytes"] / row["torch_ms"] / 1e6,
+        rel_error=case.check(work[CALLS][0]),
+    )
+    row.update(
+        ours_bw_frac=row["ours_gbps"] / ctx.copy_gbps,
+        torch_bw_frac=row["torch_gbps"] / ctx.copy_gbps,
+    )
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -127,6 +141,7 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ---- linear -----------------------------------------------------------------------------------
+
 
 def linear_weights(k: int, n: int, ctx: Context, seed: int) -> list[torch.Tensor]:
     """Copies of one fp16 weight [n, k], enough to span L2_SPAN times the L2 (at most 2 CALLS)."""
@@ -136,8 +151,9 @@ def linear_weights(k: int, n: int, ctx: Context, seed: int) -> list[torch.Tensor
     return [first] + [first.clone() for _ in range(copies - 1)]
 
 
-def linear_calls(x: torch.Tensor, weights: list[torch.Tensor], outs: torch.Tensor, count: int
-                 ) -> list[OpCall]:
+def linear_calls(
+    x: torch.Tensor, weights: list[torch.Tensor], outs: torch.Tensor, count: int
+) -> list[OpCall]:
     """`count` calls x @ W.T, rotating over the weights, each into its own output."""
     return [OpCall("linear", (x, weights[i % len(weights)]), out=outs[i]) for i in range(count)]
 
@@ -160,38 +176,59 @@ def linear_baseline(ctx: Context, quick: bool) -> list[Case]:
         weights = linear_weights(k, n, ctx, seed)
         for m in LINEAR_ROWS[::3] if quick else LINEAR_ROWS:
             x = torch.randn(m, k, device=DEV).half()
-            graph = functools.partial(graph_of_calls,
-                                      lambda i: F.linear(x, weights[i % len(weights)]))
+            graph = functools.partial(
+                graph_of_calls, lambda i: F.linear(x, weights[i % len(weights)])
+            )
             torch_ms, torch_raw = per_call_ms(graph, ctx.reps)
-            row = {"k": k, "n": n, "m": m, "weight_mb": weights[0].nbytes / 2**20,
-                   "copies": len(weights), "torch_ms": torch_ms, "torch_ms_at_100": torch_raw,
-                   "bytes": weights[0].nbytes + x.nbytes + 2 * m * n}
+            row = {
+                "k": k,
+                "n": n,
+                "m": m,
+                "weight_mb": weights[0].nbytes / 2**20,
+                "copies": len(weights),
+                "torch_ms": torch_ms,
+                "torch_ms_at_100": torch_raw,
+                "bytes": weights[0].nbytes + x.nbytes + 2 * m * n,
+            }
             outs = torch.empty(2 * CALLS, m, n, dtype=torch.float16, device=DEV)
             ref = F.linear(x.float(), weights[0].float())
-            cases.append(Case(row, functools.partial(linear_calls, x, weights, outs),
-                              functools.partial(first_error, ref)))
+            cases.append(
+                Case(
+                    row,
+                    functools.partial(linear_calls, x, weights, outs),
+                    functools.partial(first_error, ref),
+                )
+            )
             print(f"torch linear K={k} N={n} M={m}: {1e3 * torch_ms:.1f} us/call", flush=True)
     return cases
 
 
 def linear_summary(rows: list[dict]) -> dict[str, float]:
-    big = [r["ours_bw_frac"] for r in rows
-           if r["m"] <= DECODE_ROWS and r["weight_mb"] * 2**20 >= BIG_WEIGHTS]
-    return {"linear_min_bw_frac": min(big, default=float("nan")),
-            "linear_vs_torch_worst": max(r["ours_over_torch"] for r in rows),
-            # the same ratio with each side's fixed cost in (one submission, one graph launch)
-            "linear_vs_torch_worst_at_100": max(r["ours_ms_at_100"] / r["torch_ms_at_100"]
-                                                for r in rows),
-            "linear_max_rel_error": max(r["rel_error"] for r in rows)}
+    big = [
+        r["ours_bw_frac"]
+        for r in rows
+        if r["m"] <= DECODE_ROWS and r["weight_mb"] * 2**20 >= BIG_WEIGHTS
+    ]
+    return {
+        "linear_min_bw_frac": min(big, default=float("nan")),
+        "linear_vs_torch_worst": max(r["ours_over_torch"] for r in rows),
+        # the same ratio with each side's fixed cost in (one submission, one graph launch)
+        "linear_vs_torch_worst_at_100": max(
+            r["ours_ms_at_100"] / r["torch_ms_at_100"] for r in rows
+        ),
+        "linear_max_rel_error": max(r["rel_error"] for r in rows),
+    }
 
 
 def timings(r: dict) -> str:
     """The table's columns every section shares: ours and torch's per-call time, GB/s and
     fraction of the copy bandwidth, their ratio and our error."""
-    return (f"ours {1e3 * r['ours_ms']:8.2f} us {r['ours_gbps']:6.0f} GB/s {r['ours_bw_frac']:5.2f}"
-            f" | torch {1e3 * r['torch_ms']:8.2f} us {r['torch_gbps']:6.0f} GB/s "
-            f"{r['torch_bw_frac']:5.2f} | ours/torch {r['ours_over_torch']:5.2f} | "
-            f"err {r['rel_error']:.1e}")
+    return (
+        f"ours {1e3 * r['ours_ms']:8.2f} us {r['ours_gbps']:6.0f} GB/s {r['ours_bw_frac']:5.2f}"
+        f" | torch {1e3 * r['torch_ms']:8.2f} us {r['torch_gbps']:6.0f} GB/s "
+        f"{r['torch_bw_frac']:5.2f} | ours/torch {r['ours_over_torch']:5.2f} | "
+        f"err {r['rel_error']:.1e}"
+    )
 
 
 def linear_show(r: dict) -> str:
@@ -200,6 +237,7 @@ def linear_show(r: dict) -> str:
 
 # ---- attention ------------------------------------------------------------------------------
 
+
 def attention_cases(quick: bool) -> list[tuple[int, int, int, int]]:
     """(requests, query heads, KV heads, head dim), in the order measured."""
     cases = [(r, h, kv, 128) for r in ATTN_REQUESTS for h, kv in ATTN_HEADS]
@@ -207,8 +245,9 @@ def attention_cases(quick: bool) -> list[tuple[int, int, int, int]]:
     return [c for c in cases if c[0] == max(ATTN_REQUESTS)][:2] if quick else cases
 
 
-def kv_caches(requests: int, kv_heads: int, d: int, used: int, ctx: Context
-              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kv_caches(
+    requests: int, kv_heads: int, d: int, used: int, ctx: Context
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Copies of one fp16 cache (K, V) [requests, kv_heads, ATTN_CAPACITY, d], enough that the
     `used` bytes each call reads span L2_SPAN times the L2 (at most 2 CALLS)."""
     shape = (requests, kv_heads, ATTN_CAPACITY, d)
@@ -217,24 +256,32 @@ def kv_caches(requests: int, kv_heads: int, d: int, used: int, ctx: Context
     return [first] + [(first[0].clone(), first[1].clone()) for _ in range(copies - 1)]
 
 
-def sdpa(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
-         ) -> torch.Tensor:
+def sdpa(
+    q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
+) -> torch.Tensor:
     """torch's attention of q [R, Hkv, G, D] over the padded cache, keys past each length masked
     (grouped heads through enable_gqa); [R, Hkv, G, D]."""
     r, kv_heads, group, d = q.shape
-    out = F.scaled_dot_product_attention(q.reshape(r, kv_heads * group, 1, d), *kv,
-                                         attn_mask=mask, enable_gqa=group > 1)
+    out = F.scaled_dot_product_attention(
+        q.reshape(r, kv_heads * group, 1, d), *kv, attn_mask=mask, enable_gqa=group > 1
+    )
     return out.view(q.shape)
 
 
-def attention_calls(q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
-                    lengths: torch.Tensor, outs: torch.Tensor, count: int) -> list[OpCall]:
+def attention_calls(
+    q: torch.Tensor,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    lengths: torch.Tensor,
+    outs: torch.Tensor,
+    count: int,
+) -> list[OpCall]:
     """`count` decode steps' attention (the engine's call), rotating over the caches."""
     calls = []
     for i in range(count):
         k, v = caches[i % len(caches)]
-        calls.append(OpCall("attention_decode", (q, k[:, :, None], v[:, :, None], lengths),
-                            out=outs[i]))
+        calls.append(
+            OpCall("attention_decode", (q, k[:, :, None], v[:, :, None], lengths), out=outs[i])
+        )
     return calls
 
 
@@ -251,41 +298,66 @@ def attention_baseline(ctx: Context, quick: bool) -> list[Case]:
         mask = (torch.arange(ATTN_CAPACITY) < n[:, None]).to(DEV)[:, None, None, :]
         graph = functools.partial(graph_of_calls, lambda i: sdpa(q, caches[i % len(caches)], mask))
         torch_ms, torch_raw = per_call_ms(graph, ctx.reps)
-        row = {"requests": r, "heads": heads, "kv_heads": kv_heads, "d": d, "copies": len(caches),
-               "mean_length": float(n.float().mean()), "torch_ms": torch_ms,
-               "torch_ms_at_100": torch_raw, "bytes": used}
+        row = {
+            "requests": r,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "d": d,
+            "copies": len(caches),
+            "mean_length": float(n.float().mean()),
+            "torch_ms": torch_ms,
+            "torch_ms_at_100": torch_raw,
+            "bytes": used,
+        }
         lengths = n.to(device=DEV, dtype=torch.int32).view(r, 1, 1)
         outs = torch.empty((2 * CALLS,) + tuple(q.shape), dtype=torch.float16, device=DEV)
         ref = sdpa(q.float(), tuple(t.float() for t in caches[0]), mask)
-        cases.append(Case(row, functools.partial(attention_calls, q, caches, lengths, outs),
-                          functools.partial(first_error, ref)))
-        print(f"torch attention R={r} H={heads}/{kv_heads} D={d}: {1e3 * torch_ms:.1f} us/call",
-              flush=True)
+        cases.append(
+            Case(
+                row,
+                functools.partial(attention_calls, q, caches, lengths, outs),
+                functools.partial(first_error, ref),
+            )
+        )
+        print(
+            f"torch attention R={r} H={heads}/{kv_heads} D={d}: {1e3 * torch_ms:.1f} us/call",
+            flush=True,
+        )
     return cases
 
 
 def attention_summary(rows: list[dict]) -> dict[str, float]:
     def frac(kv_heads: int) -> float:
-        found = [r["ours_bw_frac"] for r in rows if r["requests"] == max(ATTN_REQUESTS)
-                 and r["kv_heads"] == kv_heads and r["d"] == 128]
+        found = [
+            r["ours_bw_frac"]
+            for r in rows
+            if r["requests"] == max(ATTN_REQUESTS) and r["kv_heads"] == kv_heads and r["d"] == 128
+        ]
         return found[0] if found else float("nan")
 
-    return {"attn_r64_bw_frac": frac(32),  # 64 requests x 32 heads, ragged 64..2048 (issue 12)
-            "attn_r64_gqa_bw_frac": frac(8),
-            "attn_vs_sdpa_worst": max(r["ours_over_torch"] for r in rows),
-            "attn_max_rel_error": max(r["rel_error"] for r in rows)}
+    return {
+        "attn_r64_bw_frac": frac(32),  # 64 requests x 32 heads, ragged 64..2048 (issue 12)
+        "attn_r64_gqa_bw_frac": frac(8),
+        "attn_vs_sdpa_worst": max(r["ours_over_torch"] for r in rows),
+        "attn_max_rel_error": max(r["rel_error"] for r in rows),
+    }
 
 
 def attention_show(r: dict) -> str:
-    return (f"R={r['requests']:3d} H={r['heads']:2d}/{r['kv_heads']:2d} D={r['d']:3d} "
-            f"{r['bytes'] / 2**20:7.1f} MB | {timings(r)}")
+    return (
+        f"R={r['requests']:3d} H={r['heads']:2d}/{r['kv_heads']:2d} D={r['d']:3d} "
+        f"{r['bytes'] / 2**20:7.1f} MB | {timings(r)}"
+    )
 
 
-SECTIONS = (Section("linear", linear_baseline, measure, linear_summary, linear_show),
-            Section("attention", attention_baseline, measure, attention_summary, attention_show))
+SECTIONS = (
+    Section("linear", linear_baseline, measure, linear_summary, linear_show),
+    Section("attention", attention_baseline, measure, attention_summary, attention_show),
+)
 
 
 # ---- driver -----------------------------------------------------------------------------------
+
 
 def commit() -> str:
     """GPUOS_COMMIT as describe() reads it, else the checkout's HEAD, else 'unknown'."""
@@ -308,16 +380,23 @@ def main() -> None:
     args = parser.parse_args()
     reps = 3 if args.quick else 7
     ctx = Context(copy_bandwidth(reps), reps, torch.cuda.get_device_properties(DEV).L2_cache_size)
-    print(f"copy bandwidth {ctx.copy_gbps:.0f} GB/s (read + written), L2 {ctx.l2_bytes >> 20} MB",
-          flush=True)
+    print(
+        f"copy bandwidth {ctx.copy_gbps:.0f} GB/s (read + written), L2 {ctx.l2_bytes >> 20} MB",
+        flush=True,
+    )
     cases = {s.name: s.baseline(ctx, args.quick) for s in SECTIONS}  # before the worker exists
     with Runtime("cuda") as rt:
         for s in SECTIONS:
             for case in cases[s.name]:
                 s.measure(rt, case, ctx)
                 print(f"{s.name}: {s.show(case.row)}", flush=True)
-    result = {**describe(), "commit": commit(), "copy_gbps": ctx.copy_gbps, "calls": CALLS,
-              "summary": {}}
+    result = {
+        **describe(),
+        "commit": commit(),
+        "copy_gbps": ctx.copy_gbps,
+        "calls": CALLS,
+        "summary": {},
+    }
     for s in SECTIONS:
         rows = [c.row for c in cases[s.name]]
         result[s.name] = rows

@@ -31,6 +31,7 @@ start runs the loop eagerly on tiny models of both families against forward_toke
 run unless their greedy tokens agree. `agree` in a row: leading tokens of stream 0 equal to
 forward_tokens' greedy tokens (fp16 noise may part them late).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,19 +52,32 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from gpuos_core import Runtime
 from kernels import commit, copy_bandwidth, slug  # bench/ is the script's directory
 from micro import captured, describe, p99
+
+from gpuos_core import Runtime
 from serving.llm import ByteTokenizer, Model, forward_tokens, load_model
 from serving.llm.engine import Engine, EngineConfig
 from serving.llm.forward import TorchOps, forward
-from serving.llm.model import (TINY, ModelConfig, parse_config, random_weights, rotary_cos_sin,
-                               save_pretrained, weights_to_hf)
+from serving.llm.model import (
+    TINY,
+    ModelConfig,
+    parse_config,
+    random_weights,
+    rotary_cos_sin,
+    save_pretrained,
+    weights_to_hf,
+)
 from serving.llm.sampling import Detokenizer, SamplingParams
 
-LLAMA = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-         "num_key_value_heads": 4, "intermediate_size": 2048, "max_position_embeddings": 1024}
+LLAMA = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "intermediate_size": 2048,
+    "max_position_embeddings": 1024,
+}
 GPT2 = {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024}
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {  # family, config.json overrides of TINY's
     "gpt2": ("gpt2", GPT2),  # vocab 256: the byte tokenizer decodes every id
@@ -71,10 +85,21 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {  # family, config.json overrid
     "llama": ("llama", LLAMA),
     # Llama-3.2-1B less its rope_scaling, which the loader does not support (it changes the
     # rotary frequencies, not the step's work)
-    "llama-1b": ("llama", {"hidden_size": 2048, "num_hidden_layers": 16,
-                           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-                           "intermediate_size": 8192, "vocab_size": 128256, "rope_theta": 500000.0,
-                           "tie_word_embeddings": True, "max_position_embeddings": 2048}),
+    "llama-1b": (
+        "llama",
+        {
+            "hidden_size": 2048,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "intermediate_size": 8192,
+            "vocab_size": 128256,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 2048,
+        },
+    ),
 }
 TARGET_STEP_MS, TARGET_OVER_GRAPH = 0.4, 1.5  # gpt2 at R <= 64; tokens/s at R in 8, 32, 64
 BASELINE_S, ENGINE_S = 240, 240  # a phase (one shape) hung past this: print stacks and exit
@@ -87,6 +112,7 @@ def deadline(seconds: float) -> None:
 
 
 # ---- model and prompts ------------------------------------------------------------------------
+
 
 def shape_dtype(shape: str, device: str) -> torch.dtype:
     if device == "cpu":
@@ -107,8 +133,10 @@ def make_model(shape: str, device: str, where: Path) -> Model:
 
 def prompts(r: int, length: int) -> list[list[int]]:
     """Stream i's prompt depends on i alone, so stream 0's reference serves every R."""
-    return [torch.randint(1, 256, (length,), generator=torch.Generator().manual_seed(i)).tolist()
-            for i in range(r)]
+    return [
+        torch.randint(1, 256, (length,), generator=torch.Generator().manual_seed(i)).tolist()
+        for i in range(r)
+    ]
 
 
 def reference_tokens(model: Model, prompt: list[int], new: int) -> list[int]:
@@ -124,8 +152,10 @@ def reference_tokens(model: Model, prompt: list[int], new: int) -> list[int]:
 
 def agreement(tokens: list[int], reference: list[int]) -> int:
     """How many leading tokens equal the reference's."""
-    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b),
-                min(len(tokens), len(reference)))
+    return next(
+        (i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b),
+        min(len(tokens), len(reference)),
+    )
 
 
 class IdChars:
@@ -162,17 +192,25 @@ def sync(device: str) -> None:
 
 # ---- the torch decode loop (the CUDA-graph baseline) -------------------------------------------
 
+
 class LoopOps(TorchOps):
     """MicroOps over rows [R streams x T tokens] (stream-major) at positions start..start+T-1 of
     every stream (prompts are equally long), a static KV cache [layers, R, kv_heads, max_len, d]
     and SDPA. Norms, linears and activations are TorchOps' (the model's reference functions)."""
 
-    def __init__(self, config: ModelConfig, kv: tuple[torch.Tensor, torch.Tensor],
-                 tokens: torch.Tensor, start: int, count: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        tokens: torch.Tensor,
+        start: int,
+        count: int,
+    ) -> None:
         self.config, self.kv, self.tokens = config, kv, tokens
         self.start, self.count, self.streams = start, count, tokens.shape[0] // count
         self.positions = torch.arange(start, start + count, device=tokens.device).repeat(
-            self.streams)
+            self.streams
+        )
         if config.rope_theta is not None:  # fixed per position: computed here, not in the graph
             cos, sin = rotary_cos_sin(self.positions, config.head_dim, config.rope_theta)
             self.cos, self.sin = (t[:, None].to(kv[0].dtype) for t in (cos, sin))
@@ -181,12 +219,13 @@ class LoopOps(TorchOps):
         x1, x2 = x.chunk(2, dim=-1)  # apply_rotary's rotate-half, with cos/sin hoisted
         return x * self.cos + torch.cat([-x2, x1], dim=-1) * self.sin
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         c, r, t, end = self.config, self.streams, self.count, self.start + self.count
         cached = []
         for new, cache in zip((k, v), (self.kv[0][layer], self.kv[1][layer])):
-            cache[:, :, self.start:end] = new.view(r, t, c.kv_heads, c.head_dim).transpose(1, 2)
+            cache[:, :, self.start : end] = new.view(r, t, c.kv_heads, c.head_dim).transpose(1, 2)
             cached.append(cache[:, :, :end])
         group = c.heads // c.kv_heads
         if t == 1:  # decode: every cached key is visible; a kv head's query group attends as rows
@@ -194,8 +233,9 @@ class LoopOps(TorchOps):
             return out.reshape(r, c.heads, c.head_dim)
         assert self.start == 0, "prefill starts at position 0"
         keys, values = (x.repeat_interleave(group, dim=1) for x in cached)
-        out = F.scaled_dot_product_attention(q.view(r, t, c.heads, c.head_dim).transpose(1, 2),
-                                             keys, values, is_causal=True)
+        out = F.scaled_dot_product_attention(
+            q.view(r, t, c.heads, c.head_dim).transpose(1, 2), keys, values, is_causal=True
+        )
         return out.transpose(1, 2).reshape(r * t, c.heads, c.head_dim)
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
@@ -207,9 +247,9 @@ class LoopOps(TorchOps):
 class LoopRun:
     """One run of the loop."""
 
-    tokens: list[list[int]]   # [streams][new]
-    steps_s: list[float]      # per decode step: replay (or eager forward) + token readback
-    wall_s: float             # prompts in to the last token read back
+    tokens: list[list[int]]  # [streams][new]
+    steps_s: list[float]  # per decode step: replay (or eager forward) + token readback
+    wall_s: float  # prompts in to the last token read back
 
 
 class TorchLoop:
@@ -222,13 +262,17 @@ class TorchLoop:
     def __init__(self, model: Model, streams: int, prompt: int, new: int, graphs: bool) -> None:
         c, w = model.config, model.weights.embed
         shape = (c.layers, streams, c.kv_heads, prompt + new, c.head_dim)
-        kv = (torch.zeros(shape, dtype=w.dtype, device=w.device),
-              torch.zeros(shape, dtype=w.dtype, device=w.device))
+        kv = (
+            torch.zeros(shape, dtype=w.dtype, device=w.device),
+            torch.zeros(shape, dtype=w.dtype, device=w.device),
+        )
         self.prompt_ids = torch.zeros(streams * prompt, dtype=torch.long, device=w.device)
         self.ids = torch.zeros(streams, dtype=torch.long, device=w.device)  # next step's input
         self.prefill = self._step(model, LoopOps(c, kv, self.prompt_ids, 0, prompt))
-        self.steps = [self._step(model, LoopOps(c, kv, self.ids, p, 1))
-                      for p in range(prompt, prompt + new - 1)]
+        self.steps = [
+            self._step(model, LoopOps(c, kv, self.ids, p, 1))
+            for p in range(prompt, prompt + new - 1)
+        ]
         self.graphs = graphs
         self.replays: list[Callable[[], None] | None] = [None] * len(self.steps)
 
@@ -263,20 +307,39 @@ def check_agreement() -> None:
         got = TorchLoop(model, len(batch), 8, new, graphs=False).run(batch).tokens
         want = [reference_tokens(model, p, new) for p in batch]
         same = sum(agreement(g, w) for g, w in zip(got, want))
-        print(f"agreement check ({family}, CPU eager fp32): {same}/{len(batch) * new} tokens "
-              "equal forward_tokens'", flush=True)
+        print(
+            f"agreement check ({family}, CPU eager fp32): {same}/{len(batch) * new} tokens "
+            "equal forward_tokens'",
+            flush=True,
+        )
         if got != want:
             raise SystemExit(f"torch loop disagrees with forward_tokens: {got} != {want}")
 
 
 # ---- rows -------------------------------------------------------------------------------------
 
-def row(way: str, r: int, new: int, wall: float, gaps: list[float], first: float,
-        tokens0: list[int], reference: list[int]) -> dict:
-    return {"way": way, "streams": r, "tokens": r * new, "wall_s": wall,
-            "tokens_per_s": r * new / wall, "step_ms": 1e3 * statistics.median(gaps),
-            "step_p99_ms": 1e3 * p99(gaps), "first_token_ms": 1e3 * first,
-            "agree": agreement(tokens0, reference)}
+
+def row(
+    way: str,
+    r: int,
+    new: int,
+    wall: float,
+    gaps: list[float],
+    first: float,
+    tokens0: list[int],
+    reference: list[int],
+) -> dict:
+    return {
+        "way": way,
+        "streams": r,
+        "tokens": r * new,
+        "wall_s": wall,
+        "tokens_per_s": r * new / wall,
+        "step_ms": 1e3 * statistics.median(gaps),
+        "step_p99_ms": 1e3 * p99(gaps),
+        "first_token_ms": 1e3 * first,
+        "agree": agreement(tokens0, reference),
+    }
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -284,8 +347,15 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda x: x["wall_s"])[len(runs) // 2]
 
 
-def loop_rows(rows: list[dict], model: Model, streams: list[int], prompt: int, new: int,
-              reference: list[int], reps: int) -> None:
+def loop_rows(
+    rows: list[dict],
+    model: Model,
+    streams: list[int],
+    prompt: int,
+    new: int,
+    reference: list[int],
+    reps: int,
+) -> None:
     """Append the torch loop's row of each R to `rows` (as measured, so a failure keeps them)."""
     graphs = model.weights.embed.is_cuda
     way = "graph loop" if graphs else "torch loop (eager, no graphs)"
@@ -293,8 +363,23 @@ def loop_rows(rows: list[dict], model: Model, streams: list[int], prompt: int, n
         loop, batch = TorchLoop(model, r, prompt, new, graphs), prompts(r, prompt)
         loop.run(batch)  # warm-up: prefill's kernels, each step's eager run and its capture
         runs = [loop.run(batch) for _ in range(reps)]
-        rows.append(median_run([row(way, r, new, x.wall_s, x.steps_s, x.wall_s - sum(x.steps_s),
-                                    x.tokens[0], reference) for x in runs]))
+        rows.append(
+            median_run(
+                [
+                    row(
+                        way,
+                        r,
+                        new,
+                        x.wall_s,
+                        x.steps_s,
+                        x.wall_s - sum(x.steps_s),
+                        x.tokens[0],
+                        reference,
+                    )
+                    for x in runs
+                ]
+            )
+        )
         rows[-1]["graphs"] = graphs
         # Its graphs' memory, now: a TorchLoop is a reference cycle (its steps' lambdas hold it),
         # and freed by the cyclic collector during the next R's capture, its graphs invalidate
@@ -304,8 +389,15 @@ def loop_rows(rows: list[dict], model: Model, streams: list[int], prompt: int, n
         print(rows[-1], flush=True)
 
 
-def hf_rows(rows: list[dict], path: Path, model: Model, streams: list[int], prompt: int,
-            new: int, reference: list[int]) -> None:
+def hf_rows(
+    rows: list[dict],
+    path: Path,
+    model: Model,
+    streams: list[int],
+    prompt: int,
+    new: int,
+    reference: list[int],
+) -> None:
     """Append rows of Hugging Face `generate` (greedy, its default cache) on the same saved
     model; none when transformers does not import."""
     try:
@@ -321,34 +413,53 @@ def hf_rows(rows: list[dict], path: Path, model: Model, streams: list[int], prom
 
     def generate(ids: torch.Tensor, n: int) -> tuple[float, list[int]]:
         started = time.perf_counter()
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          min_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
         sync(device)
-        return time.perf_counter() - started, out[0, ids.shape[1]:].tolist()
+        return time.perf_counter() - started, out[0, ids.shape[1] :].tolist()
 
     for r in streams:
         ids = torch.tensor(prompts(r, prompt), device=device)
         generate(ids, 2)  # warm-up
         first, _ = generate(ids, 1)
         wall, tokens0 = generate(ids, new)
-        rows.append(row("hf generate", r, new, wall, [(wall - first) / (new - 1)], first,
-                        tokens0, reference))
+        rows.append(
+            row(
+                "hf generate", r, new, wall, [(wall - first) / (new - 1)], first, tokens0, reference
+            )
+        )
         print(rows[-1], flush=True)
 
 
-def engine_rows(rows: list[dict], engine: Engine, way: str, streams: list[int], prompt: int,
-                new: int, reference: list[int], reps: int) -> None:
+def engine_rows(
+    rows: list[dict],
+    engine: Engine,
+    way: str,
+    streams: list[int],
+    prompt: int,
+    new: int,
+    reference: list[int],
+    reps: int,
+) -> None:
     """Append the engine's row of each R (the median of `reps` runs, after an untimed one)."""
     for r in streams:
         batch = prompts(r, prompt)
         engine_run(engine, way, batch, 2, reference)  # builds this R's step programs
-        rows.append(median_run([engine_run(engine, way, batch, new, reference)
-                                for _ in range(reps)]))
+        rows.append(
+            median_run([engine_run(engine, way, batch, new, reference) for _ in range(reps)])
+        )
         print(rows[-1], flush=True)
 
 
-def engine_run(engine: Engine, way: str, batch: list[list[int]], new: int,
-               reference: list[int]) -> dict:
+def engine_run(
+    engine: Engine, way: str, batch: list[list[int]], new: int, reference: list[int]
+) -> dict:
     """All prompts submitted at once; wall time to the last token, and inter-token gaps."""
     params = SamplingParams(max_tokens=new, temperature=0.0)
     started = time.perf_counter()
@@ -362,16 +473,26 @@ def engine_run(engine: Engine, way: str, batch: list[list[int]], new: int,
     return row(way, len(batch), new, wall, gaps, first, streams[0].tokens, reference)
 
 
-def new_engine(model: Model, runtime: Runtime | None, streams: list[int], prompt: int, new: int,
-               step_tokens: int) -> Engine:
+def new_engine(
+    model: Model,
+    runtime: Runtime | None,
+    streams: list[int],
+    prompt: int,
+    new: int,
+    step_tokens: int,
+) -> Engine:
     tokenizer = ByteTokenizer(eos_id=None) if model.config.vocab_size <= 256 else IdChars()
-    config = EngineConfig(max_running=max(streams), max_len=prompt + new + 1,
-                          max_step_tokens=step_tokens,
-                          micro_ops="runtime" if runtime is not None else "torch")
+    config = EngineConfig(
+        max_running=max(streams),
+        max_len=prompt + new + 1,
+        max_step_tokens=step_tokens,
+        micro_ops="runtime" if runtime is not None else "torch",
+    )
     return Engine(model, tokenizer, runtime, config)
 
 
 # ---- phases -----------------------------------------------------------------------------------
+
 
 @dataclass
 class Bench:
@@ -380,8 +501,8 @@ class Bench:
     shape: str
     path: Path
     model: Model
-    reference: list[int]      # stream 0's greedy tokens by forward_tokens
-    streams: list[int]        # the R values measured (those that fit)
+    reference: list[int]  # stream 0's greedy tokens by forward_tokens
+    streams: list[int]  # the R values measured (those that fit)
     rows: list[dict]
 
 
@@ -399,8 +520,9 @@ def fits(model: Model, r: int, prompt: int, new: int) -> bool:
 def baselines(bench: Bench, streams: list[int], args: argparse.Namespace, notes: list[str]) -> None:
     """The torch loop, HF generate and the engine with torch micro-ops: no runtime exists yet."""
     ok = bench.streams = [r for r in streams if fits(bench.model, r, args.prompt, args.new)]
-    notes += [f"{bench.shape} R={r}: skipped, too little device memory"
-              for r in streams if r not in ok]
+    notes += [
+        f"{bench.shape} R={r}: skipped, too little device memory" for r in streams if r not in ok
+    ]
     run = (bench.model, ok, args.prompt, args.new, bench.reference)
     loop_rows(bench.rows, *run, args.reps)
     if not args.no_hf:
@@ -418,8 +540,16 @@ def baselines(bench: Bench, streams: list[int], args: argparse.Namespace, notes:
 def ours(bench: Bench, rt: Runtime, args: argparse.Namespace) -> None:
     engine = new_engine(bench.model, rt, bench.streams, args.prompt, args.new, args.step_tokens)
     try:
-        engine_rows(bench.rows, engine, "engine+runtime", bench.streams, args.prompt, args.new,
-                    bench.reference, args.reps)
+        engine_rows(
+            bench.rows,
+            engine,
+            "engine+runtime",
+            bench.streams,
+            args.prompt,
+            args.new,
+            bench.reference,
+            args.reps,
+        )
     finally:
         engine.close()
 
@@ -428,13 +558,14 @@ def guarded(phase: str, notes: list[str], fn: Callable[[], None]) -> None:
     """Run a phase; an exception becomes a note (the other shapes still run)."""
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001: one shape's failure must not lose the others
+    except Exception as exc:  # one shape's failure must not lose the others
         notes.append(f"{phase}: {type(exc).__name__}: {exc}")
         print(f"{phase} FAILED: {type(exc).__name__}: {exc}", flush=True)
         traceback.print_exc()
 
 
 # ---- summary and output -----------------------------------------------------------------------
+
 
 def shape_summary(rows: list[dict], floor_ms: float | None) -> dict[str, dict]:
     out = {}
@@ -445,11 +576,16 @@ def shape_summary(rows: list[dict], floor_ms: float | None) -> dict[str, dict]:
         if ours:
             s.update(step_ms=ours["step_ms"], tok_s=ours["tokens_per_s"], agree=ours["agree"])
         if loop:
-            s.update(graph_step_ms=loop["step_ms"], graph_tok_s=loop["tokens_per_s"],
-                     graph_agree=loop["agree"])
+            s.update(
+                graph_step_ms=loop["step_ms"],
+                graph_tok_s=loop["tokens_per_s"],
+                graph_agree=loop["agree"],
+            )
         if ours and loop:
-            s.update(step_over_graph=ours["step_ms"] / loop["step_ms"],
-                     tok_s_over_graph=ours["tokens_per_s"] / loop["tokens_per_s"])
+            s.update(
+                step_over_graph=ours["step_ms"] / loop["step_ms"],
+                tok_s_over_graph=ours["tokens_per_s"] / loop["tokens_per_s"],
+            )
         for key, way in (("torch_ops_tok_s", "engine+torch"), ("hf_tok_s", "hf generate")):
             if way in by:
                 s[key] = by[way]["tokens_per_s"]
@@ -461,25 +597,32 @@ def targets(gpt2: dict[str, dict]) -> dict[str, bool]:
     """Issue 13's targets on the gpt2 shape (meaningful on the H200)."""
     steps = [s.get("step_ms", float("inf")) for k, s in gpt2.items() if int(k[1:]) <= 64]
     ratios = [s.get("tok_s_over_graph", 0.0) for k, s in gpt2.items() if k in ("R8", "R32", "R64")]
-    return {"step_le_0.4ms_every_R_le_64": bool(steps) and max(steps) <= TARGET_STEP_MS,
-            "tok_s_ge_1.5x_graph_R8_32_64": bool(ratios) and min(ratios) >= TARGET_OVER_GRAPH}
+    return {
+        "step_le_0.4ms_every_R_le_64": bool(steps) and max(steps) <= TARGET_STEP_MS,
+        "tok_s_ge_1.5x_graph_R8_32_64": bool(ratios) and min(ratios) >= TARGET_OVER_GRAPH,
+    }
 
 
 def show(shape: str, summary: dict[str, dict], graphs: bool) -> str:
     def f(s: dict, key: str, fmt: str) -> str:
         width = int(fmt.rstrip("df").split(".")[0] or 0)
         return format(s[key], fmt) if s.get(key) is not None else "-".rjust(width)
+
     loop = "torch loop from CUDA graphs" if graphs else "torch loop, eager"
-    lines = [f"== {shape}: ours = engine+runtime, graph = {loop}; ms per decode step",
-             "    R | ours ms | graph ms | ms ours/graph | ours tok/s | graph tok/s | "
-             "tok/s ours/graph | torch-ops tok/s | hf tok/s | floor ms | agree (graph)"]
+    lines = [
+        f"== {shape}: ours = engine+runtime, graph = {loop}; ms per decode step",
+        "    R | ours ms | graph ms | ms ours/graph | ours tok/s | graph tok/s | "
+        "tok/s ours/graph | torch-ops tok/s | hf tok/s | floor ms | agree (graph)",
+    ]
     for key, s in summary.items():
-        lines.append(f"{key[1:]:>5} | {f(s, 'step_ms', '7.3f')} | {f(s, 'graph_step_ms', '8.3f')} "
-                     f"| {f(s, 'step_over_graph', '13.2f')} | {f(s, 'tok_s', '10.0f')} | "
-                     f"{f(s, 'graph_tok_s', '11.0f')} | {f(s, 'tok_s_over_graph', '16.2f')} | "
-                     f"{f(s, 'torch_ops_tok_s', '15.0f')} | {f(s, 'hf_tok_s', '8.0f')} | "
-                     f"{f(s, 'floor_ms', '8.3f')} | {f(s, 'agree', '5d')} "
-                     f"({f(s, 'graph_agree', 'd')})")
+        lines.append(
+            f"{key[1:]:>5} | {f(s, 'step_ms', '7.3f')} | {f(s, 'graph_step_ms', '8.3f')} "
+            f"| {f(s, 'step_over_graph', '13.2f')} | {f(s, 'tok_s', '10.0f')} | "
+            f"{f(s, 'graph_tok_s', '11.0f')} | {f(s, 'tok_s_over_graph', '16.2f')} | "
+            f"{f(s, 'torch_ops_tok_s', '15.0f')} | {f(s, 'hf_tok_s', '8.0f')} | "
+            f"{f(s, 'floor_ms', '8.3f')} | {f(s, 'agree', '5d')} "
+            f"({f(s, 'graph_agree', 'd')})"
+        )
     return "\n".join(lines)
 
 
@@ -504,8 +647,9 @@ def write(result: dict, benches: list[Bench], floors: dict[str, float | None], o
 
 
 def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -513,10 +657,18 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--with-256", action="store_true", help="also R=256 where memory allows")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per stream")
     parser.add_argument("--new", type=int, default=32, help="generated tokens per stream")
-    parser.add_argument("--reps", type=int, default=3,
-                        help="timed runs of the graph loop and of ours (the median is kept)")
-    parser.add_argument("--step-tokens", type=int, default=EngineConfig.max_step_tokens,
-                        help="the engine's max_step_tokens (prompts are chunked past it)")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=3,
+        help="timed runs of the graph loop and of ours (the median is kept)",
+    )
+    parser.add_argument(
+        "--step-tokens",
+        type=int,
+        default=EngineConfig.max_step_tokens,
+        help="the engine's max_step_tokens (prompts are chunked past it)",
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
     parser.add_argument("--no-torch-ops", action="store_true", help="skip engine+torch")
     args = parser.parse_args()
@@ -551,8 +703,9 @@ def main() -> None:
             bench = Bench(shape, where, model, reference, list(args.streams), [])
             benches.append(bench)
             floors[shape] = step_bytes(model) / gbps / 1e6 if gbps else None
-            guarded(f"{shape} baselines", notes, lambda: baselines(bench, args.streams, args,
-                                                                   notes))
+            guarded(
+                f"{shape} baselines", notes, lambda: baselines(bench, args.streams, args, notes)
+            )
             path = write(result, benches, floors, args.out)
         deadline(ENGINE_S)  # the runtime's start (loads or builds its image) included
         with Runtime(args.backend) as rt:
@@ -563,8 +716,9 @@ def main() -> None:
     faulthandler.cancel_dump_traceback_later()
     for shape in args.shapes:
         print("\n" + show(shape, result["summary"][shape], gbps is not None))
-    print("\n".join(["", *notes, json.dumps(result["summary"].get("targets", {})),
-                     f"wrote {path}"]))
+    print(
+        "\n".join(["", *notes, json.dumps(result["summary"].get("targets", {})), f"wrote {path}"])
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ flat summary and every table) to --out and prints a short table last.
 Host timing (perf_counter) around work that ends in a stream-level synchronize: never a device-wide
 one, which would also wait for the runtime's worker to finish its lease.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,11 +78,13 @@ def captured(fn: Callable[[], object]) -> Callable[[], None]:
     def replay() -> None:
         graph.replay()
         sync()
+
     return replay
 
 
-def elementwise(rt: Runtime, sizes: list[int], n: int, reps: int, compile: bool = True
-                ) -> list[dict]:
+def elementwise(
+    rt: Runtime, sizes: list[int], n: int, reps: int, compile: bool = True
+) -> list[dict]:
     """(a) n × mul(size fp32): runtime vs eager vs graph replay vs one batched kernel vs compile."""
     rows = []
     for size in sizes:
@@ -108,17 +111,26 @@ def elementwise(rt: Runtime, sizes: list[int], n: int, reps: int, compile: bool 
         out.fill_(float("nan"))
         runtime = times_ms(lambda: rt.submit(work).wait(60), reps)
         correct = bool(torch.equal(out, a * b))
-        row = {"size": size, "n": n, "runtime_ms": med(runtime), "runtime_p99_ms": p99(runtime),
-               "runtime_from_prepared_ms": med(times_ms(lambda: rt.submit(tasks).wait(60), reps)),
-               "prepare_ms": prepare_ms, "correct": correct,
-               "eager_ms": med(times_ms(eager, reps)),
-               "graph_ms": med(times_ms(graph_of(launches), reps)),
-               "floor_ms": med(times_ms(floor, reps))}
+        row = {
+            "size": size,
+            "n": n,
+            "runtime_ms": med(runtime),
+            "runtime_p99_ms": p99(runtime),
+            "runtime_from_prepared_ms": med(times_ms(lambda: rt.submit(tasks).wait(60), reps)),
+            "prepare_ms": prepare_ms,
+            "correct": correct,
+            "eager_ms": med(times_ms(eager, reps)),
+            "graph_ms": med(times_ms(graph_of(launches), reps)),
+            "floor_ms": med(times_ms(floor, reps)),
+        }
         row["compile_ms"] = compiled_per_op(ra, rb, n, reps) if size == 1024 and compile else None
         rows.append(row)
-        print(f"(a) {n} x mul({size}): runtime {row['runtime_ms']:.3f} ms, eager "
-              f"{row['eager_ms']:.2f}, graph {row['graph_ms']:.2f}, floor {row['floor_ms']:.3f}, "
-              f"compile {row['compile_ms']}, correct {correct}", flush=True)
+        print(
+            f"(a) {n} x mul({size}): runtime {row['runtime_ms']:.3f} ms, eager "
+            f"{row['eager_ms']:.2f}, graph {row['graph_ms']:.2f}, floor {row['floor_ms']:.3f}, "
+            f"compile {row['compile_ms']}, correct {correct}",
+            flush=True,
+        )
     return rows
 
 
@@ -130,6 +142,7 @@ def compiled_per_op(ra: tuple, rb: tuple, n: int, reps: int) -> float:
         for i in range(n):
             fn(ra[i], rb[i])
         sync()
+
     return med(times_ms(run, max(2, reps // 2)))
 
 
@@ -146,16 +159,23 @@ def chain(rt: Runtime, n: int, size: int, reps: int) -> dict:
     rx, ry = x.unbind(0), y.unbind(0)
     want = chain_eager(x, y)
     stages = [torch.empty_like(x) for _ in range(5)]
-    steps = [("add", lambda i: (rx[i], ry[i])), ("mul", lambda i: (stages[0][i], ry[i])),
-             ("relu", lambda i: (stages[1][i],)), ("sigmoid", lambda i: (stages[2][i],)),
-             ("div", lambda i: (stages[3][i], ry[i]))]
-    batches = [rt.encode([rt.prepare(OpCall(op, args(i), out=stages[k][i])) for i in range(n)])
-               for k, (op, args) in enumerate(steps)]
+    steps = [
+        ("add", lambda i: (rx[i], ry[i])),
+        ("mul", lambda i: (stages[0][i], ry[i])),
+        ("relu", lambda i: (stages[1][i],)),
+        ("sigmoid", lambda i: (stages[2][i],)),
+        ("div", lambda i: (stages[3][i], ry[i])),
+    ]
+    batches = [
+        rt.encode([rt.prepare(OpCall(op, args(i), out=stages[k][i])) for i in range(n)])
+        for k, (op, args) in enumerate(steps)
+    ]
     if "chain5" not in rt.table.names():
         rt.register("chain5", CHAIN)
     fused_out = torch.empty_like(x)
-    fused = rt.encode([rt.prepare(OpCall("chain5", (rx[i], ry[i]), out=fused_out[i]))
-                          for i in range(n)])
+    fused = rt.encode(
+        [rt.prepare(OpCall("chain5", (rx[i], ry[i]), out=fused_out[i])) for i in range(n)]
+    )
 
     def unfused() -> None:
         for batch in batches:  # each stage reads the previous one's outputs
@@ -173,14 +193,17 @@ def chain(rt: Runtime, n: int, size: int, reps: int) -> dict:
             compiled(rx[i], ry[i])
         sync()
 
-    result = {"n": n, "size": size,
-              "runtime_unfused_ms": med(times_ms(unfused, reps)),
-              "runtime_fused_ms": med(times_ms(lambda: rt.submit(fused).wait(60), reps)),
-              "eager_ms": med(times_ms(eager, reps)),
-              "compile_ms": med(times_ms(compiled_calls, reps)),
-              "floor_eager_stacked_ms": med(times_ms(lambda: (chain_eager(x, y), sync()), reps)),
-              "correct_unfused": bool(torch.allclose(stages[4], want, atol=1e-5, rtol=1e-5)),
-              "correct_fused": bool(torch.allclose(fused_out, want, atol=1e-5, rtol=1e-5))}
+    result = {
+        "n": n,
+        "size": size,
+        "runtime_unfused_ms": med(times_ms(unfused, reps)),
+        "runtime_fused_ms": med(times_ms(lambda: rt.submit(fused).wait(60), reps)),
+        "eager_ms": med(times_ms(eager, reps)),
+        "compile_ms": med(times_ms(compiled_calls, reps)),
+        "floor_eager_stacked_ms": med(times_ms(lambda: (chain_eager(x, y), sync()), reps)),
+        "correct_unfused": bool(torch.allclose(stages[4], want, atol=1e-5, rtol=1e-5)),
+        "correct_fused": bool(torch.allclose(fused_out, want, atol=1e-5, rtol=1e-5)),
+    }
     print(f"(b) chain: {result}", flush=True)
     return result
 
@@ -194,7 +217,7 @@ def attention(rt: Runtime, requests: list[int], heads: int, dim: int, reps: int)
         qs = [torch.randn(heads, dim, device=DEV, dtype=torch.float16) for _ in lengths]
         ks = [torch.randn(heads, n, dim, device=DEV, dtype=torch.float16) for n in lengths]
         vs = [torch.randn(heads, n, dim, device=DEV, dtype=torch.float16) for n in lengths]
-        scale = dim ** -0.5
+        scale = dim**-0.5
         tasks = [rt.prepare(OpCall("attention_decode", (q, k, v))) for q, k, v in zip(qs, ks, vs)]
 
         def naive() -> None:
@@ -209,13 +232,26 @@ def attention(rt: Runtime, requests: list[int], heads: int, dim: int, reps: int)
             sync()
 
         batch = rt.submit(tasks).wait(60)
-        err = max((batch.result(i).float() - F.scaled_dot_product_attention(
-            q.unsqueeze(1), k, v).squeeze(1).float()).abs().max().item()
-            for i, (q, k, v) in enumerate(zip(qs, ks, vs)))
-        row = {"requests": r, "heads": heads, "dim": dim, "kv_tokens": sum(lengths),
-               "runtime_ms": med(times_ms(lambda: rt.submit(tasks).wait(60), reps)),
-               "naive_ms": med(times_ms(naive, reps)), "sdpa_ms": med(times_ms(sdpa, reps)),
-               "max_abs_err_vs_sdpa": err}
+        err = max(
+            (
+                batch.result(i).float()
+                - F.scaled_dot_product_attention(q.unsqueeze(1), k, v).squeeze(1).float()
+            )
+            .abs()
+            .max()
+            .item()
+            for i, (q, k, v) in enumerate(zip(qs, ks, vs))
+        )
+        row = {
+            "requests": r,
+            "heads": heads,
+            "dim": dim,
+            "kv_tokens": sum(lengths),
+            "runtime_ms": med(times_ms(lambda: rt.submit(tasks).wait(60), reps)),
+            "naive_ms": med(times_ms(naive, reps)),
+            "sdpa_ms": med(times_ms(sdpa, reps)),
+            "max_abs_err_vs_sdpa": err,
+        }
         kv_bytes = 2 * sum(lengths) * heads * dim * 2
         row["runtime_gbps"] = kv_bytes / row["runtime_ms"] / 1e6
         rows.append(row)
@@ -234,8 +270,14 @@ def roundtrip(rt: Runtime, counts: list[int], reps: int) -> list[dict]:
         rows.append({"tasks": n, "p50_us": med(samples), "p99_us": p99(samples)})
     rows[0]["submit_only_p50_us"] = med(submit_only_us(rt, rt.prepare(OpCall("mul", (x, x))), reps))
     torch_us = [v * 1e3 for v in times_ms(lambda: (torch.mul(x, x), sync()), reps, warmup=20)]
-    rows.append({"tasks": 1, "baseline": "torch op + stream sync", "p50_us": med(torch_us),
-                 "p99_us": p99(torch_us)})
+    rows.append(
+        {
+            "tasks": 1,
+            "baseline": "torch op + stream sync",
+            "p50_us": med(torch_us),
+            "p99_us": p99(torch_us),
+        }
+    )
     print(f"(d) roundtrip: {rows}", flush=True)
     return rows
 
@@ -254,15 +296,18 @@ def submit_only_us(rt: Runtime, task: Prepared, reps: int) -> list[float]:
 def driver_call_us(reps: int = 2000) -> dict[str, float]:
     """Host cost of each driver call a one-task submit makes (cuda.bindings), per call."""
     from cuda.bindings import driver as cu
+
     stream = cu.cuStreamCreate(1)[1]
     dev = int(cu.cuMemAlloc(4096)[1])
     host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
     raw = torch._C._cuda_getCurrentRawStream
-    calls = {"cuStreamQuery": lambda: cu.cuStreamQuery(stream),
-             "cuMemcpyHtoDAsync_528B": lambda: cu.cuMemcpyHtoDAsync(dev, host.data_ptr(), 528, stream),
-             "cuStreamWriteValue64": lambda: cu.cuStreamWriteValue64(stream, dev, 1, 0),
-             "torch_current_raw_stream": lambda: raw(0),
-             "cuCtxGetCurrent": cu.cuCtxGetCurrent}
+    calls = {
+        "cuStreamQuery": lambda: cu.cuStreamQuery(stream),
+        "cuMemcpyHtoDAsync_528B": lambda: cu.cuMemcpyHtoDAsync(dev, host.data_ptr(), 528, stream),
+        "cuStreamWriteValue64": lambda: cu.cuStreamWriteValue64(stream, dev, 1, 0),
+        "torch_current_raw_stream": lambda: raw(0),
+        "cuCtxGetCurrent": cu.cuCtxGetCurrent,
+    }
     costs = {}
     for name, call in calls.items():
         costs[name] = 1e3 * med(times_ms(lambda: [call() for _ in range(100)], 20)) / 100
@@ -303,14 +348,19 @@ def swap(rt: Runtime, rounds: int) -> dict:
         time.sleep(0.05)
     stop.set()
     thread.join()
-    result = {"rounds": rounds, "compile_ms": med([r.compile_ms for r in reports]),
-              "canary_ms": med([r.canary_ms for r in reports]),
-              "link_ms": med([r.link_ms for r in reports]),
-              "pause_ms": med([r.pause_ms for r in reports]),
-              "pause_max_ms": max(r.pause_ms for r in reports),
-              "load_ms": med([r.load_ms for r in reports]),
-              "rollback_us": med(rollbacks), "rollback_max_us": max(rollbacks),
-              "tasks_under_load": done[0], "wrong_or_failed": len(wrong)}
+    result = {
+        "rounds": rounds,
+        "compile_ms": med([r.compile_ms for r in reports]),
+        "canary_ms": med([r.canary_ms for r in reports]),
+        "link_ms": med([r.link_ms for r in reports]),
+        "pause_ms": med([r.pause_ms for r in reports]),
+        "pause_max_ms": max(r.pause_ms for r in reports),
+        "load_ms": med([r.load_ms for r in reports]),
+        "rollback_us": med(rollbacks),
+        "rollback_max_us": max(rollbacks),
+        "tasks_under_load": done[0],
+        "wrong_or_failed": len(wrong),
+    }
     print(f"(e) swap: {result}", flush=True)
     return result
 
@@ -322,8 +372,13 @@ def occupancy(reps: int) -> list[dict]:
         config = RuntimeConfig(backend="cuda", cuda=CudaConfig(blocks_per_sm=blocks))
         with Runtime(config=config) as rt:
             row = elementwise(rt, [1024], 10_000, reps, compile=False)[0]
-        rows.append({"blocks_per_sm": blocks, "runtime_ms": row["runtime_ms"],
-                     "eager_over_runtime": row["eager_ms"] / row["runtime_ms"]})
+        rows.append(
+            {
+                "blocks_per_sm": blocks,
+                "runtime_ms": row["runtime_ms"],
+                "eager_over_runtime": row["eager_ms"] / row["runtime_ms"],
+            }
+        )
     return rows
 
 
@@ -356,12 +411,16 @@ def dependent_chain(rt: Runtime, n: int, reps: int) -> dict:
 
     outs[-1].fill_(float("nan"))
     ms = times_ms(lambda: rt.submit(program).wait(60), reps)
-    result = {"n": n, "program_ms": med(ms), "program_p99_ms": p99(ms),
-              "correct": bool(torch.allclose(outs[-1], x * (n + 1), rtol=1e-4, atol=1e-3)),
-              "program1_ms": med(times_ms(lambda: rt.submit(single).wait(60), 5 * reps)),
-              "per_stage_submit_ms": med(times_ms(per_stage, max(2, reps // 2))),
-              "eager_ms": med(times_ms(lambda: (launches(), sync()), reps)),
-              "graph_ms": med(times_ms(graph_of(launches), reps))}
+    result = {
+        "n": n,
+        "program_ms": med(ms),
+        "program_p99_ms": p99(ms),
+        "correct": bool(torch.allclose(outs[-1], x * (n + 1), rtol=1e-4, atol=1e-3)),
+        "program1_ms": med(times_ms(lambda: rt.submit(single).wait(60), 5 * reps)),
+        "per_stage_submit_ms": med(times_ms(per_stage, max(2, reps // 2))),
+        "eager_ms": med(times_ms(lambda: (launches(), sync()), reps)),
+        "graph_ms": med(times_ms(graph_of(launches), reps)),
+    }
     result["edge_us"] = 1e3 * (result["program_ms"] - result["program1_ms"]) / (n - 1)
     print(f"(f) chain of {n}: {result}", flush=True)
     return result
@@ -391,9 +450,15 @@ def layered(rt: Runtime, layers: int, stages: int, width: int, reps: int) -> dic
         build.add(OpCall(op, args, out=out))
     program = build.build()
     build_ms = 1e3 * (time.perf_counter() - started)
-    staged = [rt.encode([rt.prepare(OpCall(op, args, out=out))
-                         for op, args, out in steps[s * width:(s + 1) * width]])
-              for s in range(depth)]
+    staged = [
+        rt.encode(
+            [
+                rt.prepare(OpCall(op, args, out=out))
+                for op, args, out in steps[s * width : (s + 1) * width]
+            ]
+        )
+        for s in range(depth)
+    ]
 
     def per_stage() -> None:
         for work in staged:
@@ -405,13 +470,20 @@ def layered(rt: Runtime, layers: int, stages: int, width: int, reps: int) -> dic
     for c in cur:
         c.fill_(float("nan"))
     ms = times_ms(lambda: rt.submit(program).wait(60), reps)
-    result = {"layers": layers, "stages": stages, "width": width, "tasks": len(steps),
-              "records": len(program.tasks.records), "build_ms": build_ms,
-              "program_ms": med(ms), "program_p99_ms": p99(ms),
-              "correct": bool(torch.equal(torch.stack([c[-1] for c in cur]), want)),
-              "per_stage_submit_ms": med(times_ms(per_stage, reps)),
-              "eager_ms": med(times_ms(lambda: (launches(), sync()), reps)),
-              "graph_ms": med(times_ms(graph_of(launches), reps))}
+    result = {
+        "layers": layers,
+        "stages": stages,
+        "width": width,
+        "tasks": len(steps),
+        "records": len(program.tasks.records),
+        "build_ms": build_ms,
+        "program_ms": med(ms),
+        "program_p99_ms": p99(ms),
+        "correct": bool(torch.equal(torch.stack([c[-1] for c in cur]), want)),
+        "per_stage_submit_ms": med(times_ms(per_stage, reps)),
+        "eager_ms": med(times_ms(lambda: (launches(), sync()), reps)),
+        "graph_ms": med(times_ms(graph_of(launches), reps)),
+    }
     print(f"(g) layered DAG: {result}", flush=True)
     return result
 
@@ -426,18 +498,31 @@ def program_claims(claims: list[int], reps: int) -> list[dict]:
         with Runtime(config=config) as rt:
             chain_ms = dependent_chain(rt, 1000, reps)
             dag = layered(rt, 12, 8, 64, reps)
-        rows.append({"program_claim": claim, "chain1000_ms": chain_ms["program_ms"],
-                     "edge_us": chain_ms["edge_us"], "layered_ms": dag["program_ms"],
-                     "graph_over_layered": dag["graph_ms"] / dag["program_ms"]})
+        rows.append(
+            {
+                "program_claim": claim,
+                "chain1000_ms": chain_ms["program_ms"],
+                "edge_us": chain_ms["edge_us"],
+                "layered_ms": dag["program_ms"],
+                "graph_over_layered": dag["graph_ms"] / dag["program_ms"],
+            }
+        )
     return rows
 
 
 def describe() -> dict:
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip()
-    return {"device": torch.cuda.get_device_name(), "driver": smi, "torch": torch.__version__,
-            "commit": os.environ.get("GPUOS_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return {
+        "device": torch.cuda.get_device_name(),
+        "driver": smi,
+        "torch": torch.__version__,
+        "commit": os.environ.get("GPUOS_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
 def main() -> None:
@@ -445,14 +530,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--occupancy", action="store_true", help="also 2 and 4 blocks per SM")
-    parser.add_argument("--program-claims", default="",
-                        help="comma-separated program claim limits to rerun (f) and (g) with")
+    parser.add_argument(
+        "--program-claims",
+        default="",
+        help="comma-separated program claim limits to rerun (f) and (g) with",
+    )
     args = parser.parse_args()
     reps = 3 if args.quick else 7
     with Runtime("cuda") as rt:
         result = describe()
-        result["elementwise"] = elementwise(rt, [1024] if args.quick else [256, 1024, 4096, 16384],
-                                            10_000, reps)
+        result["elementwise"] = elementwise(
+            rt, [1024] if args.quick else [256, 1024, 4096, 16384], 10_000, reps
+        )
         result["chain"] = chain(rt, 1000, 2048, reps)
         result["attention"] = attention(rt, [1, 8, 32, 64], 32, 128, reps)
         result["roundtrip"] = roundtrip(rt, [1, 8, 64], 300)
@@ -463,25 +552,33 @@ def main() -> None:
     if args.occupancy:
         result["blocks_per_sm"] = occupancy(reps)
     if args.program_claims:
-        result["program_claims"] = program_claims([int(c) for c in args.program_claims.split(",")],
-                                                  reps)
+        result["program_claims"] = program_claims(
+            [int(c) for c in args.program_claims.split(",")], reps
+        )
     mul = next(r for r in result["elementwise"] if r["size"] == 1024)
     one = result["roundtrip"][0]
     result["summary"] = {
-        "mul10k_1024_ms": mul["runtime_ms"], "eager_over_runtime": mul["eager_ms"] / mul["runtime_ms"],
+        "mul10k_1024_ms": mul["runtime_ms"],
+        "eager_over_runtime": mul["eager_ms"] / mul["runtime_ms"],
         "graph_over_runtime": mul["graph_ms"] / mul["runtime_ms"],
         "runtime_over_floor": mul["runtime_ms"] / mul["floor_ms"],
-        "roundtrip1_p50_us": one["p50_us"], "roundtrip1_p99_us": one["p99_us"],
+        "roundtrip1_p50_us": one["p50_us"],
+        "roundtrip1_p99_us": one["p99_us"],
         "submit1_p50_us": one["submit_only_p50_us"],
-        "swap_pause_ms": result["swap"]["pause_ms"], "rollback_us": result["swap"]["rollback_us"],
+        "swap_pause_ms": result["swap"]["pause_ms"],
+        "rollback_us": result["swap"]["rollback_us"],
         "program_chain1000_ms": result["program_chain"]["program_ms"],
         "edge_us": result["program_chain"]["edge_us"],
         "program_layered_ms": result["program_layered"]["program_ms"],
         "graph_layered_ms": result["program_layered"]["graph_ms"],
-        "graph_over_program_layered": (result["program_layered"]["graph_ms"]
-                                       / result["program_layered"]["program_ms"]),
-        "stages_over_program_layered": (result["program_layered"]["per_stage_submit_ms"]
-                                        / result["program_layered"]["program_ms"])}
+        "graph_over_program_layered": (
+            result["program_layered"]["graph_ms"] / result["program_layered"]["program_ms"]
+        ),
+        "stages_over_program_layered": (
+            result["program_layered"]["per_stage_submit_ms"]
+            / result["program_layered"]["program_ms"]
+        ),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "micro.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))

@@ -10,6 +10,7 @@ how its ratios read; `intercept_us_per_op` is what queueing one op costs on toda
 Each timed repetition ends with the results written (the scheduler's flush waits for its batches,
 a replay for its program; torch paths end with a stream synchronize, never a device-wide one).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-from gpuos_core import Runtime
-from gpuos_core import Scheduler, SchedulerConfig, scheduler
 from micro import describe, med, p99, times_ms  # bench/ is the script's directory
+
+from gpuos_core import Runtime, Scheduler, SchedulerConfig, scheduler
 
 OPS = 5  # aten ops in one chain
 
@@ -32,8 +32,9 @@ def chain(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(torch.relu((x + y) * y)) / y
 
 
-def rows(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs: tuple, ys: tuple
-         ) -> list[torch.Tensor]:
+def rows(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs: tuple, ys: tuple
+) -> list[torch.Tensor]:
     return [fn(x, y) for x, y in zip(xs, ys)]
 
 
@@ -49,10 +50,12 @@ def sync(device: torch.device) -> None:
 
 def under(sched: Scheduler, xs: tuple, ys: tuple) -> Callable[[], list[torch.Tensor]]:
     """One repetition in an entered scheduler: queue every chain, flush (results written)."""
+
     def run() -> list[torch.Tensor]:
         outs = rows(chain, xs, ys)
         sched.flush()
         return outs
+
     return run
 
 
@@ -69,22 +72,35 @@ def queue_us_per_op(sched: Scheduler, xs: tuple, ys: tuple, reps: int) -> float:
     return 1e6 * med(times) / (OPS * len(xs))
 
 
-def scheduled(rt: Runtime, xs: tuple, ys: tuple, want: torch.Tensor, reps: int, fuse: bool
-              ) -> dict:
+def scheduled(rt: Runtime, xs: tuple, ys: tuple, want: torch.Tensor, reps: int, fuse: bool) -> dict:
     """Today's path: every op intercepted and queued, one flush a repetition."""
-    with scheduler(rt, size_threshold=xs[0].numel(), auto_flush_ms=None, fuse=fuse,
-                   max_pending=OPS * len(xs) + 1) as sched:  # one flush a repetition
+    with scheduler(
+        rt,
+        size_threshold=xs[0].numel(),
+        auto_flush_ms=None,
+        fuse=fuse,
+        max_pending=OPS * len(xs) + 1,
+    ) as sched:  # one flush a repetition
         run = under(sched, xs, ys)
         times = times_ms(run, reps)
         correct = bool(torch.allclose(torch.stack(run()), want, atol=1e-5, rtol=1e-4))
         queue_us = queue_us_per_op(sched, xs, ys, reps)
     stats = sched.stats
     runs = 2 * reps + 3  # times_ms's warm-up and reps, the checked run, the queueing reps
-    print(f"scheduler {'fused' if fuse else 'unfused'}: {med(times):.3f} ms, queueing "
-          f"{queue_us:.2f} us/op, correct {correct}, {stats}", flush=True)
-    return {"ms": med(times), "p99_ms": p99(times), "correct": correct,
-            "intercept_us_per_op": queue_us, "tasks_per_rep": stats.tasks / runs,
-            "submissions_per_rep": stats.submissions / runs, "registered": stats.registered}
+    print(
+        f"scheduler {'fused' if fuse else 'unfused'}: {med(times):.3f} ms, queueing "
+        f"{queue_us:.2f} us/op, correct {correct}, {stats}",
+        flush=True,
+    )
+    return {
+        "ms": med(times),
+        "p99_ms": p99(times),
+        "correct": correct,
+        "intercept_us_per_op": queue_us,
+        "tasks_per_rep": stats.tasks / runs,
+        "submissions_per_rep": stats.submissions / runs,
+        "registered": stats.registered,
+    }
 
 
 def replayed(rt: Runtime, xs: tuple, ys: tuple, want: torch.Tensor, reps: int) -> dict:
@@ -95,9 +111,14 @@ def replayed(rt: Runtime, xs: tuple, ys: tuple, want: torch.Tensor, reps: int) -
     correct = bool(torch.allclose(torch.stack(region(xs, ys)), want, atol=1e-5, rtol=1e-4))
     stats = region.stats
     print(f"traced, replayed: {med(times):.3f} ms, correct {correct}, {stats}", flush=True)
-    return {"ms": med(times), "p99_ms": p99(times), "correct": correct,
-            "replayed": stats.replayed, "recorded": stats.recorded,
-            "not_replayable": dict(stats.not_replayable)}
+    return {
+        "ms": med(times),
+        "p99_ms": p99(times),
+        "correct": correct,
+        "replayed": stats.replayed,
+        "recorded": stats.recorded,
+        "not_replayable": dict(stats.not_replayable),
+    }
 
 
 def measure(rt: Runtime, n: int, size: int, reps: int, compile: bool) -> dict:
@@ -111,6 +132,7 @@ def measure(rt: Runtime, n: int, size: int, reps: int, compile: bool) -> dict:
         def run() -> None:
             rows(fn, xs, ys)
             sync(dev)
+
         return run
 
     result["eager_ms"] = med(times_ms(torch_path(chain), reps))
@@ -131,8 +153,11 @@ def summary(result: dict) -> dict:
     fused, replay, eager = result["fused"]["ms"], result["replay"]["ms"], result["eager_ms"]
     compiled = result["compile_ms"]
     return {
-        "fused_ms": fused, "unfused_ms": result["unfused"]["ms"], "eager_ms": eager,
-        "replay_ms": replay, "compile_ms": compiled,
+        "fused_ms": fused,
+        "unfused_ms": result["unfused"]["ms"],
+        "eager_ms": eager,
+        "replay_ms": replay,
+        "compile_ms": compiled,
         "replay_over_eager": eager / replay,
         "replay_over_compile": compiled / replay if compiled else None,
         "replay_over_fused": fused / replay,
@@ -140,7 +165,8 @@ def summary(result: dict) -> dict:
         "unfused_over_fused": result["unfused"]["ms"] / fused,
         "compile_over_fused": compiled / fused if compiled else None,
         "fused_over_floor": fused / result["floor_ms"],
-        "intercept_us_per_op": result["fused"]["intercept_us_per_op"]}
+        "intercept_us_per_op": result["fused"]["intercept_us_per_op"],
+    }
 
 
 def main() -> None:

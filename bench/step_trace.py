@@ -11,6 +11,7 @@ producer's last record was done), its span (first record ready to last record do
 records' median run time. Sums by operator name say what the step spends its time on. Writes
 step-trace-<device>.json to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from llm import make_model  # bench/ is the script's directory
 
 from gpuos_core import OpCall, Runtime, RuntimeConfig
 from gpuos_core.config import CudaConfig
 from gpuos_core.program import Program
-from llm import make_model  # bench/ is the script's directory
 from serving.llm.device_step import Layout, StepProgram
 from serving.llm.forward import Span
 from serving.llm.model import KVPool
@@ -44,7 +45,7 @@ class Records:
     claimed: np.ndarray
     ready: np.ndarray
     done: np.ndarray
-    marks: np.ndarray   # [records, 8]: an operator's GPUOS_MARK points, µs after ready; NaN: none
+    marks: np.ndarray  # [records, 8]: an operator's GPUOS_MARK points, µs after ready; NaN: none
 
     @classmethod
     def last_run(cls, table: np.ndarray, n: int) -> Records:
@@ -67,11 +68,11 @@ class Stage:
     task: int
     op: str
     records: int
-    ready: float      # first record's waits met
-    done: float       # last record done
-    run_med: float    # median record run time (ready to done)
+    ready: float  # first record's waits met
+    done: float  # last record done
+    run_med: float  # median record run time (ready to done)
     run_max: float
-    marks: list       # median µs after ready at which its records reached each GPUOS_MARK
+    marks: list  # median µs after ready at which its records reached each GPUOS_MARK
 
 
 def stages(program: Program, rec: Records) -> dict[int, Stage]:
@@ -82,11 +83,20 @@ def stages(program: Program, rec: Records) -> dict[int, Stage]:
     out = {}
     for task, rs in by_task.items():
         run = rec.done[rs] - rec.ready[rs]
-        marks = [float(np.median(m[~np.isnan(m)])) if (~np.isnan(m)).any() else None
-                 for m in rec.marks[rs].T]
-        out[task] = Stage(task, tl.op_names[tl.op_of_task[task]], len(rs),
-                          float(rec.ready[rs].min()), float(rec.done[rs].max()),
-                          float(np.median(run)), float(run.max()), marks)
+        marks = [
+            float(np.median(m[~np.isnan(m)])) if (~np.isnan(m)).any() else None
+            for m in rec.marks[rs].T
+        ]
+        out[task] = Stage(
+            task,
+            tl.op_names[tl.op_of_task[task]],
+            len(rs),
+            float(rec.ready[rs].min()),
+            float(rec.done[rs].max()),
+            float(np.median(run)),
+            float(run.max()),
+            marks,
+        )
     return out
 
 
@@ -98,9 +108,18 @@ def critical_path(program: Program, found: dict[int, Stage]) -> list[dict]:
         deps = program.deps[at.task]
         before = max((found[d] for d in deps if d in found), key=lambda s: s.done, default=None)
         edge = at.ready - before.done if before else at.ready
-        path.append({"task": at.task, "op": at.op, "records": at.records, "edge_us": edge,
-                     "span_us": at.done - at.ready, "run_med_us": at.run_med,
-                     "run_max_us": at.run_max, "marks_us": at.marks})
+        path.append(
+            {
+                "task": at.task,
+                "op": at.op,
+                "records": at.records,
+                "edge_us": edge,
+                "span_us": at.done - at.ready,
+                "run_med_us": at.run_med,
+                "run_max_us": at.run_max,
+                "marks_us": at.marks,
+            }
+        )
         if before is None:
             return path[::-1]
         at = before
@@ -127,18 +146,28 @@ def measure(rt: Runtime, name: str, program: Program, reps: int) -> dict:
     rec = Records.last_run(rt.backend.trace(), len(program.tasks.records))
     path = critical_path(program, stages(program, rec))
     device_ms = rec.done.max() / 1e3  # first record ready to last done
-    result = {"name": name, "records": len(rec.ready), "tasks": len(program),
-              "wall_ms": statistics.median(walls), "device_ms": device_ms,
-              "path_stages": len(path), "path": path, "by_op": by_op(path),
-              "sms_used": int(len(np.unique(rec.sm))),
-              "claim_to_ready_med_us": float(np.median(rec.ready - rec.claimed))}
+    result = {
+        "name": name,
+        "records": len(rec.ready),
+        "tasks": len(program),
+        "wall_ms": statistics.median(walls),
+        "device_ms": device_ms,
+        "path_stages": len(path),
+        "path": path,
+        "by_op": by_op(path),
+        "sms_used": int(len(np.unique(rec.sm))),
+        "claim_to_ready_med_us": float(np.median(rec.ready - rec.claimed)),
+    }
     show(result)
     return result
 
 
 def show(r: dict) -> None:
-    print(f"\n== {r['name']}: {r['records']} records, {r['tasks']} tasks; wall {r['wall_ms']:.3f} ms,"
-          f" device {r['device_ms']:.3f} ms; critical path {r['path_stages']} stages", flush=True)
+    print(
+        f"\n== {r['name']}: {r['records']} records, {r['tasks']} tasks; wall {r['wall_ms']:.3f} ms,"
+        f" device {r['device_ms']:.3f} ms; critical path {r['path_stages']} stages",
+        flush=True,
+    )
     print(f"{'op':>16} {'stages':>6} {'edge us':>9} {'span us':>9} {'per stage':>10}")
     for op, o in r["by_op"].items():
         per = (o["edge_us"] + o["span_us"]) / o["stages"]
@@ -152,8 +181,10 @@ def show(r: dict) -> None:
             continue
         shown.add(s["op"])
         marks = " ".join("-" if m is None else f"{m:.2f}" for m in s["marks_us"])
-        print(f"  {s['op']} ({s['records']} records): marks at {marks}; "
-              f"done {s['run_med_us']:.2f} us after ready (medians)")
+        print(
+            f"  {s['op']} ({s['records']} records): marks at {marks}; "
+            f"done {s['run_med_us']:.2f} us after ready (medians)"
+        )
 
 
 def chain(rt: Runtime, op: str, n: int, hidden: int, dtype: torch.dtype) -> Program:
@@ -163,14 +194,16 @@ def chain(rt: Runtime, op: str, n: int, hidden: int, dtype: torch.dtype) -> Prog
     x = torch.randn(1, hidden, device="cuda", dtype=dtype, generator=gen)
     weight = torch.randn(hidden, hidden, device="cuda", dtype=dtype, generator=gen) / hidden**0.5
     ones, zeros = torch.ones(hidden, device="cuda", dtype=dtype), torch.zeros_like(x[0])
-    keys, values = (torch.randn(12, 128, 64, device="cuda", dtype=dtype, generator=gen)
-                    for _ in range(2))
+    keys, values = (
+        torch.randn(12, 128, 64, device="cuda", dtype=dtype, generator=gen) for _ in range(2)
+    )
     lengths = torch.full((12,), 65, device="cuda", dtype=torch.int32)
     build = rt.program()
     for _ in range(n):
         if op == "attention_decode":
-            x = build.add(OpCall(op, (x.view(12, 64), keys, values, lengths),
-                                 scalars={"scale": 0.125}))
+            x = build.add(
+                OpCall(op, (x.view(12, 64), keys, values, lengths), scalars={"scale": 0.125})
+            )
         elif op == "linear":
             x = build.add(OpCall("linear", (x, weight)))
         elif op == "layernorm":
@@ -206,16 +239,29 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp, rt:
         for op in ("add", "layernorm", "linear", "attention_decode"):
-            results.append(measure(rt, f"chain of 48 {op} (1 x 768)",
-                                   chain(rt, op, 48, 768, torch.float16), args.reps))
+            results.append(
+                measure(
+                    rt,
+                    f"chain of 48 {op} (1 x 768)",
+                    chain(rt, op, 48, 768, torch.float16),
+                    args.reps,
+                )
+            )
         for rows in args.rows:
-            results.append(measure(rt, f"{args.shape} step, {rows} decode rows",
-                                   step(rt, args.shape, rows, Path(tmp)), args.reps))
+            results.append(
+                measure(
+                    rt,
+                    f"{args.shape} step, {rows} decode rows",
+                    step(rt, args.shape, rows, Path(tmp)),
+                    args.reps,
+                )
+            )
     device = torch.cuda.get_device_name().split()[-1].lower()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"step-trace-{device}.json"
-    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results},
-                               indent=1))
+    path.write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1)
+    )
     print(f"wrote {path}")
 
 

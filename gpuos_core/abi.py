@@ -4,6 +4,7 @@ The numpy structured dtypes below must agree byte for byte with the C structs;
 tests/unit/test_abi.py compiles the header with the host C compiler and compares every size and
 offset.
 """
+
 from __future__ import annotations
 
 import struct
@@ -23,8 +24,12 @@ OP_NOP = -2
 
 # GPUOS_DTYPE_* codes, and the torch dtypes the runtime accepts (int32 only as an operator's index
 # input: the catalogue checks which inputs may be indices).
-DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2,
-                                       torch.int32: 3}
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.int32: 3,
+}
 CODE_DTYPES: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 TENSOR_REF = np.dtype(
@@ -59,8 +64,7 @@ TASK = np.dtype(
 # The same bytes as one opaque item: copying records this way is a memcpy, not a field walk.
 RAW_TASK = np.dtype((np.void, TASK.itemsize))
 
-QUEUE = np.dtype([("tail", "<u8"), ("head", "<u8"), ("stop", "<u8"), ("claim", "<u8")],
-                 align=True)
+QUEUE = np.dtype([("tail", "<u8"), ("head", "<u8"), ("stop", "<u8"), ("claim", "<u8")], align=True)
 
 
 def field_offset(record: np.dtype, name: str) -> int:
@@ -81,8 +85,9 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 # TASK packed field by field in one call: numpy's structured-field writes cost ~40 us a record.
 _REF_FORMAT = f"Qq{MAX_DIMS}q{MAX_DIMS}qii"
-TASK_STRUCT = struct.Struct(f"<iiIiqq{MAX_SCALARS}fQ{MAX_WAITS}i{MAX_WAITS}I"
-                            + _REF_FORMAT * (1 + MAX_INPUTS))
+TASK_STRUCT = struct.Struct(
+    f"<iiIiqq{MAX_SCALARS}fQ{MAX_WAITS}i{MAX_WAITS}I" + _REF_FORMAT * (1 + MAX_INPUTS)
+)
 assert TASK_STRUCT.size == TASK.itemsize, "TASK_STRUCT must mirror TASK"
 _NO_TENSOR = (0, 0) + (0,) * (2 * MAX_DIMS) + (0, 0)
 _NO_DEPS = (0,) + (NO_EVENT,) * MAX_WAITS + (0,) * MAX_WAITS  # events, wait[], wait_count[]
@@ -94,30 +99,46 @@ def tensor_fields(tensor: torch.Tensor) -> tuple[int, ...]:
     if ndim > MAX_DIMS:
         raise TensorSpecError(f"tensor has {ndim} dims; at most {MAX_DIMS} are supported")
     pad = MAX_DIMS - ndim
-    return (tensor.data_ptr(), tensor.numel(), *tensor.shape, *(1,) * pad, *tensor.stride(),
-            *(0,) * pad, dtype_code(tensor.dtype), ndim)
+    return (
+        tensor.data_ptr(),
+        tensor.numel(),
+        *tensor.shape,
+        *(1,) * pad,
+        *tensor.stride(),
+        *(0,) * pad,
+        dtype_code(tensor.dtype),
+        ndim,
+    )
 
 
-def encode_task(records: np.ndarray, ranges: list[tuple[int, int]], out: torch.Tensor,
-                inputs: tuple[torch.Tensor, ...], scalars: tuple[float, ...] = (),
-                reduce_mask: int = 0) -> None:
+def encode_task(
+    records: np.ndarray,
+    ranges: list[tuple[int, int]],
+    out: torch.Tensor,
+    inputs: tuple[torch.Tensor, ...],
+    scalars: tuple[float, ...] = (),
+    reduce_mask: int = 0,
+) -> None:
     """Fill TASK records[i] for each work-item range [begin, end) of one task, with no event to
     wait for or signal (a Program adds those); op_slot is left 0 for submit to resolve."""
     if len(inputs) > MAX_INPUTS or len(scalars) > MAX_SCALARS:
-        raise TensorSpecError(f"a task takes at most {MAX_INPUTS} inputs and {MAX_SCALARS} "
-                              f"scalars, got {len(inputs)} and {len(scalars)}")
+        raise TensorSpecError(
+            f"a task takes at most {MAX_INPUTS} inputs and {MAX_SCALARS} "
+            f"scalars, got {len(inputs)} and {len(scalars)}"
+        )
     refs = tensor_fields(out) + sum((tensor_fields(x) for x in inputs), ())
     refs += _NO_TENSOR * (MAX_INPUTS - len(inputs))
     scalars = tuple(scalars) + (0.0,) * (MAX_SCALARS - len(scalars))
-    raw = records[:len(ranges)].view(np.uint8).reshape(len(ranges), TASK.itemsize)
+    raw = records[: len(ranges)].view(np.uint8).reshape(len(ranges), TASK.itemsize)
     begin, end = ranges[0]
-    TASK_STRUCT.pack_into(raw[0], 0, 0, len(inputs), reduce_mask, NO_EVENT, begin, end, *scalars,
-                          *_NO_DEPS, *refs)
+    TASK_STRUCT.pack_into(
+        raw[0], 0, 0, len(inputs), reduce_mask, NO_EVENT, begin, end, *scalars, *_NO_DEPS, *refs
+    )
     if len(ranges) > 1:  # the records differ only in their ranges: copy bytes, set two columns
         raw[1:] = raw[0]
         bounds = np.asarray(ranges, dtype=np.int64)
-        records["range_begin"][:len(ranges)] = bounds[:, 0]
-        records["range_end"][:len(ranges)] = bounds[:, 1]
+        records["range_begin"][: len(ranges)] = bounds[:, 0]
+        records["range_end"][: len(ranges)] = bounds[:, 1]
 
 
 def ref_shape(ref: np.void) -> tuple[int, ...]:

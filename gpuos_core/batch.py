@@ -1,4 +1,5 @@
 """Handle of one submission: completion that can be waited on from threads or awaited."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,18 +23,24 @@ class Batch:
     Keeps every task's tensors alive until completion (a device may still read or write them).
     """
 
-    def __init__(self, tasks: Sequence[Prepared], records: np.ndarray, owners: np.ndarray,
-                 versions: np.ndarray | Sequence[int], pinned: bool = False,
-                 events: torch.Tensor | None = None) -> None:
-        self.tasks = tuple(tasks)            # validated tasks, with their outputs
-        self.records = records               # ABI records as submitted (TASK dtype), tiles included
-        self.owners = owners                 # record index → index of the task it belongs to
-        self._versions = versions            # operator version of each task, resolved at submit
-        self.pinned = pinned                 # records are in Backend.host_records memory
-        self.events = events                 # a program's event counters: the backend zeroes
-                                             # them before publishing any record
+    def __init__(
+        self,
+        tasks: Sequence[Prepared],
+        records: np.ndarray,
+        owners: np.ndarray,
+        versions: np.ndarray | Sequence[int],
+        pinned: bool = False,
+        events: torch.Tensor | None = None,
+    ) -> None:
+        self.tasks = tuple(tasks)  # validated tasks, with their outputs
+        self.records = records  # ABI records as submitted (TASK dtype), tiles included
+        self.owners = owners  # record index → index of the task it belongs to
+        self._versions = versions  # operator version of each task, resolved at submit
+        self.pinned = pinned  # records are in Backend.host_records memory
+        self.events = events  # a program's event counters: the backend zeroes
+        # them before publishing any record
         self.status = np.zeros(len(tasks), dtype=np.int32)  # STATUS_PENDING (0), _DONE, < 0: error
-        self.errors: dict[int, str] = {}     # task index → message, for failed tasks
+        self.errors: dict[int, str] = {}  # task index → message, for failed tasks
         # Completion latch: held from creation until complete(). A Lock, not an Event, because
         # creating an Event costs microseconds of the one-task round trip.
         self._latch = threading.Lock()
@@ -69,8 +76,9 @@ class Batch:
                 self._poll()
         if not self._complete:
             if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
-                raise WaitTimeoutError(f"batch of {len(self)} task(s) not complete after "
-                                       f"{timeout} s")
+                raise WaitTimeoutError(
+                    f"batch of {len(self)} task(s) not complete after {timeout} s"
+                )
             self._latch.release()  # pass the latch on to the next waiter
         return self
 
@@ -92,8 +100,9 @@ class Batch:
         """Output of task `i`; TaskFailedError if that task failed. Call after completion."""
         assert self.done(), "result() before the batch completed"
         if self.status[i] != STATUS_DONE:
-            raise TaskFailedError(self.errors.get(
-                i, f"task {i} failed with status {self.status[i]}"))
+            raise TaskFailedError(
+                self.errors.get(i, f"task {i} failed with status {self.status[i]}")
+            )
         return self.tasks[i].out
 
     def check(self) -> Batch:

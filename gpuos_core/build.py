@@ -1,6 +1,7 @@
 """`python -m gpuos_core.build`: compile every CUDA source and catalogue operator and link them into
 a worker image, one line per unit. Warms the JIT cache before a deployment, and shows in CI that
 everything builds on a machine without a GPU (NVRTC and nvJitLink need none)."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,15 +30,21 @@ def build(arch: str, cache: JitCache) -> int:
         print(f"{arch}  {unit.name:<34} {how:<8} {len(objects[-1][1]):>8} B  {ms:7.1f} ms")
     started = time.perf_counter()
     image = link_image(objects, arch)
-    print(f"{arch}  linked image of {len(objects)} units: {len(image)} B in "
-          f"{1e3 * (time.perf_counter() - started):.1f} ms")
+    print(
+        f"{arch}  linked image of {len(objects)} units: {len(image)} B in "
+        f"{1e3 * (time.perf_counter() - started):.1f} ms"
+    )
     return len(image)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--arch", action="append", choices=supported_archs(),
-                        help=f"target (repeatable; default {DEFAULT_ARCH})")
+    parser.add_argument(
+        "--arch",
+        action="append",
+        choices=supported_archs(),
+        help=f"target (repeatable; default {DEFAULT_ARCH})",
+    )
     parser.add_argument("--cache-dir", type=Path, help="JIT cache (default ~/.cache/gpuos/jit)")
     args = parser.parse_args(argv)
     cache = JitCache(args.cache_dir)

@@ -1,4 +1,5 @@
 """Typed messages between callers, the runtime and the backends."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -13,21 +14,21 @@ import torch
 class OpCall:
     """One micro-request, as a caller states it."""
 
-    op: str                                   # operator name (catalogue or registered)
-    inputs: tuple[torch.Tensor, ...]          # positional tensor inputs
-    out: torch.Tensor | None = None           # written in place when given, else allocated
+    op: str  # operator name (catalogue or registered)
+    inputs: tuple[torch.Tensor, ...]  # positional tensor inputs
+    out: torch.Tensor | None = None  # written in place when given, else allocated
     scalars: Mapping[str, float] = field(default_factory=dict)  # named operator parameters
-    dims: tuple[int, ...] | None = None       # sum/mean: dims to reduce (None: all)
-    keepdim: bool = False                     # sum/mean: keep reduced dims as size 1
-    out_dtype: torch.dtype | None = None      # dtype of an allocated output (default: promoted)
+    dims: tuple[int, ...] | None = None  # sum/mean: dims to reduce (None: all)
+    keepdim: bool = False  # sum/mean: keep reduced dims as size 1
+    out_dtype: torch.dtype | None = None  # dtype of an allocated output (default: promoted)
 
 
 @dataclass(frozen=True)
 class Params:
     """Operator parameters as a kernel sees them: what a reference needs beside the tensors."""
 
-    scalars: tuple[float, ...]                # in the operator's declared order
-    reduce_dims: tuple[int, ...] = ()         # sum/mean: reduced dims of in[0]
+    scalars: tuple[float, ...]  # in the operator's declared order
+    reduce_dims: tuple[int, ...] = ()  # sum/mean: reduced dims of in[0]
 
 
 class Tiling(Protocol):
@@ -41,14 +42,14 @@ class LaidOut:
     """A validated call with its tensors laid out as they will be encoded: what its operator's
     family needs to cut it into records (catalogue.prepare makes it, Runtime.prepare encodes it)."""
 
-    op: str                                   # logical operator name
-    out: torch.Tensor                         # the result as the caller sees it
-    out_ref: torch.Tensor                     # view of `out` encoded as task.out (keepdim layout)
-    inputs: tuple[torch.Tensor, ...]          # views encoded as task.in (broadcasts expanded)
-    params: Params                            # scalars and reduced dims
-    items: int                                # work items (elements or rows) the task covers
-    kind: Tiling                              # its operator's family (cuts the items into records)
-    inputs_written: tuple[int, ...] = ()      # inputs the operator also writes in place
+    op: str  # logical operator name
+    out: torch.Tensor  # the result as the caller sees it
+    out_ref: torch.Tensor  # view of `out` encoded as task.out (keepdim layout)
+    inputs: tuple[torch.Tensor, ...]  # views encoded as task.in (broadcasts expanded)
+    params: Params  # scalars and reduced dims
+    items: int  # work items (elements or rows) the task covers
+    kind: Tiling  # its operator's family (cuts the items into records)
+    inputs_written: tuple[int, ...] = ()  # inputs the operator also writes in place
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,6 +2,7 @@
 canary.run_sandboxed): rebuild one operator version in a fresh CUDA runtime, run it over the
 canary's cases against its expression, print one JSON report. Its own module so that the runtime,
 which imports the canary, is not imported back by it."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ from .config import RuntimeConfig
 from .runtime import Runtime
 
 
-def exercise(runtime: Runtime, name: str, spec: OpSpec, scalars: Sequence[float], seed: int
-             ) -> list[dict]:
+def exercise(
+    runtime: Runtime, name: str, spec: OpSpec, scalars: Sequence[float], seed: int
+) -> list[dict]:
     """Run `name` on `runtime` over every case and compare with `spec`'s torch implementation
     (its expression)."""
     gen = torch.Generator().manual_seed(seed)
@@ -27,14 +29,22 @@ def exercise(runtime: Runtime, name: str, spec: OpSpec, scalars: Sequence[float]
     cases = []
     for shapes in input_shapes(spec.arity):
         for dtype_name, dtype in DTYPES.items():
-            xs = tuple((torch.randn(s, generator=gen) * 2).to(dtype=dtype, device=runtime.device)
-                       for s in shapes)
+            xs = tuple(
+                (torch.randn(s, generator=gen) * 2).to(dtype=dtype, device=runtime.device)
+                for s in shapes
+            )
             out = runtime.submit([runtime.prepare(OpCall(name, xs, scalars=named))]).wait(30)
             ref = spec.compute(xs, params).to(dtype)
             err = rel_error(out.result(0), ref)
-            cases.append({"shape": [list(s) for s in shapes], "dtype": dtype_name,
-                          "rel_error": err, "tolerance": TOLERANCE[dtype],
-                          "ok": err <= TOLERANCE[dtype]})
+            cases.append(
+                {
+                    "shape": [list(s) for s in shapes],
+                    "dtype": dtype_name,
+                    "rel_error": err,
+                    "tolerance": TOLERANCE[dtype],
+                    "ok": err <= TOLERANCE[dtype],
+                }
+            )
     return cases
 
 

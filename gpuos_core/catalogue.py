@@ -5,6 +5,7 @@ code of a catalogue op and of a user's expression come from the same generator. 
 independent torch reference (torch's own function), used by tests and by the canary check before a
 swap.
 """
+
 from __future__ import annotations
 
 import re
@@ -37,16 +38,16 @@ class ScalarParam:
 class OpSpec:
     """One operator version's definition. Interface fields stay fixed across versions of an op."""
 
-    name: str                              # C identifier, unique
-    family: str                            # families.family(...) name
-    arity: int                             # most tensor inputs
-    min_inputs: int                        # fewest tensor inputs (norms take optional weights)
+    name: str  # C identifier, unique
+    family: str  # families.family(...) name
+    arity: int  # most tensor inputs
+    min_inputs: int  # fewest tensor inputs (norms take optional weights)
     scalars: tuple[ScalarParam, ...] = ()  # in the order of task.scalars
-    expression: Expr | None = None         # map family: the implementation
-    reference: RefFn | None = None         # independent torch reference; None: the implementation
-    source: str = "catalogue"              # where this version came from (expression text)
-    cuda_body: str | None = None           # raw CUDA functor body (map only; `expression` is then
-                                           # its reference and what the CPU backend runs)
+    expression: Expr | None = None  # map family: the implementation
+    reference: RefFn | None = None  # independent torch reference; None: the implementation
+    source: str = "catalogue"  # where this version came from (expression text)
+    cuda_body: str | None = None  # raw CUDA functor body (map only; `expression` is then
+    # its reference and what the CPU backend runs)
 
     @property
     def kind(self) -> Family:
@@ -69,28 +70,38 @@ def check_name(name: str) -> str:
     if not NAME_RE.match(name):
         raise TensorSpecError(
             f"operator name {name!r} is invalid: use a lower-case letter then letters, digits or "
-            "'_', at most 48 characters")
+            "'_', at most 48 characters"
+        )
     return name
 
 
 MAX_CUDA_BODY = 16384
 
 
-def expression_spec(name: str, text: str, arity: int | None = None,
-                    scalars: tuple[ScalarParam, ...] | None = None,
-                    cuda: str | None = None) -> OpSpec:
+def expression_spec(
+    name: str,
+    text: str,
+    arity: int | None = None,
+    scalars: tuple[ScalarParam, ...] | None = None,
+    cuda: str | None = None,
+) -> OpSpec:
     """A map operator from an expression; scalars default to required s0..s{n-1}. `cuda`, when
     given, is the body of its functor (`float operator()(const float* a, const float* s)`: inputs
     a[0..arity), scalars s[0..4)) and the expression becomes its reference."""
     if cuda is not None and not 0 < len(cuda) <= MAX_CUDA_BODY:
-        raise TensorSpecError(f"CUDA source must be 1 to {MAX_CUDA_BODY} characters, "
-                              f"got {len(cuda)}")
+        raise TensorSpecError(
+            f"CUDA source must be 1 to {MAX_CUDA_BODY} characters, got {len(cuda)}"
+        )
     expr = parse(text, arity)
-    params = scalars if scalars is not None else tuple(
-        ScalarParam(f"s{i}") for i in range(expr.num_scalars))
+    params = (
+        scalars
+        if scalars is not None
+        else tuple(ScalarParam(f"s{i}") for i in range(expr.num_scalars))
+    )
     if expr.num_scalars > len(params):
-        raise TensorSpecError(f"expression uses s{expr.num_scalars - 1} but {name} takes "
-                              f"{len(params)} scalar(s)")
+        raise TensorSpecError(
+            f"expression uses s{expr.num_scalars - 1} but {name} takes {len(params)} scalar(s)"
+        )
     return OpSpec(check_name(name), "map", expr.arity, expr.arity, params, expr, None, text, cuda)
 
 
@@ -99,7 +110,8 @@ def new_version(current: OpSpec, text: str, cuda: str | None = None) -> OpSpec:
     if current.family != "map":
         raise TensorSpecError(
             f"{current.name} is a {current.family} operator: only elementwise (map) operators can "
-            "be replaced by an expression")
+            "be replaced by an expression"
+        )
     made = expression_spec(current.name, text, current.arity, current.scalars, cuda)
     return replace(made, arity=current.arity, min_inputs=current.min_inputs)
 
@@ -138,15 +150,34 @@ def _builtin() -> dict[str, OpSpec]:
         _map("swiglu", "silu(A) * B", lambda x, s: F.silu(x[0]) * x[1]),  # Llama's gated MLP
         _map("hardsigmoid", "hardsigmoid(A)", lambda x, s: F.hardsigmoid(x[0])),
         _map("hardswish", "hardswish(A)", lambda x, s: F.hardswish(x[0])),
-        _map("leaky_relu", "leaky_relu(A, s0)", lambda x, s: F.leaky_relu(x[0], s[0]),
-             P("negative_slope", 0.01)),
-        _map("hardtanh", "hardtanh(A, s0, s1)", lambda x, s: F.hardtanh(x[0], s[0], s[1]),
-             P("min_val", -1.0), P("max_val", 1.0)),
+        _map(
+            "leaky_relu",
+            "leaky_relu(A, s0)",
+            lambda x, s: F.leaky_relu(x[0], s[0]),
+            P("negative_slope", 0.01),
+        ),
+        _map(
+            "hardtanh",
+            "hardtanh(A, s0, s1)",
+            lambda x, s: F.hardtanh(x[0], s[0], s[1]),
+            P("min_val", -1.0),
+            P("max_val", 1.0),
+        ),
         _map("elu", "elu(A, s0)", lambda x, s: F.elu(x[0], s[0]), P("alpha", 1.0)),
-        _map("softplus", "softplus(A, s0, s1)", lambda x, s: F.softplus(x[0], s[0], s[1]),
-             P("beta", 1.0), P("threshold", 20.0)),
-        _map("clamp", "clamp(A, s0, s1)", lambda x, s: torch.clamp(x[0], s[0], s[1]),
-             P("min"), P("max")),
+        _map(
+            "softplus",
+            "softplus(A, s0, s1)",
+            lambda x, s: F.softplus(x[0], s[0], s[1]),
+            P("beta", 1.0),
+            P("threshold", 20.0),
+        ),
+        _map(
+            "clamp",
+            "clamp(A, s0, s1)",
+            lambda x, s: torch.clamp(x[0], s[0], s[1]),
+            P("min"),
+            P("max"),
+        ),
         _map("clamp_min", "clamp_min(A, s0)", lambda x, s: torch.clamp_min(x[0], s[0]), P("min")),
         _map("clamp_max", "clamp_max(A, s0)", lambda x, s: torch.clamp_max(x[0], s[0]), P("max")),
         _map("neg", "-A", lambda x, s: torch.neg(x[0])),
@@ -156,7 +187,7 @@ def _builtin() -> dict[str, OpSpec]:
         _fixed("layernorm", "layernorm", 3, 1, P("eps", 1e-5)),
         _fixed("rmsnorm", "rmsnorm", 2, 1, P("eps", 1e-6)),
         _fixed("add_layernorm", "add_layernorm", 4, 2, P("eps", 1e-5)),  # x += y; layernorm(x)
-        _fixed("add_rmsnorm", "add_rmsnorm", 3, 2, P("eps", 1e-6)),      # x += y; rmsnorm(x)
+        _fixed("add_rmsnorm", "add_rmsnorm", 3, 2, P("eps", 1e-6)),  # x += y; rmsnorm(x)
         _fixed("sum", "sum", 1, 1),
         _fixed("mean", "mean", 1, 1),
         _fixed("rotary", "rotary", 4, 3),  # [, positions]
@@ -183,8 +214,16 @@ def prepare(spec: OpSpec, call: OpCall, device: torch.device) -> LaidOut:
     if lay.ref_shape != lay.out_shape:  # reductions without keepdim: re-insert the reduced dims
         for d in lay.reduce_dims:
             out_ref = out_ref.unsqueeze(d)
-    return LaidOut(spec.name, out, out_ref, lay.inputs, Params(scalars, lay.reduce_dims),
-                   lay.items, spec.kind, inputs_written=spec.kind.inputs_written)
+    return LaidOut(
+        spec.name,
+        out,
+        out_ref,
+        lay.inputs,
+        Params(scalars, lay.reduce_dims),
+        lay.items,
+        spec.kind,
+        inputs_written=spec.kind.inputs_written,
+    )
 
 
 def run_reference(spec: OpSpec, call: OpCall) -> torch.Tensor:
@@ -200,34 +239,49 @@ def run_reference(spec: OpSpec, call: OpCall) -> torch.Tensor:
 
 def _check_inputs(spec: OpSpec, inputs: Sequence[torch.Tensor], device: torch.device) -> None:
     if not spec.min_inputs <= len(inputs) <= spec.arity:
-        want = (str(spec.arity) if spec.min_inputs == spec.arity
-                else f"{spec.min_inputs} to {spec.arity}")
+        want = (
+            str(spec.arity)
+            if spec.min_inputs == spec.arity
+            else f"{spec.min_inputs} to {spec.arity}"
+        )
         raise TensorSpecError(f"{spec.name} takes {want} tensor input(s), got {len(inputs)}")
     indices = spec.kind.index_inputs
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor):
-            raise TensorSpecError(f"{spec.name} input {i} must be a torch.Tensor, got "
-                                  f"{type(x).__name__}")
+            raise TensorSpecError(
+                f"{spec.name} input {i} must be a torch.Tensor, got {type(x).__name__}"
+            )
         if i in indices and x.dtype != torch.int32:
-            raise TensorSpecError(f"{spec.name} input {i} ({indices[i]}) is an index tensor: it "
-                                  f"must be int32, got {x.dtype}")
+            raise TensorSpecError(
+                f"{spec.name} input {i} ({indices[i]}) is an index tensor: it "
+                f"must be int32, got {x.dtype}"
+            )
         if i not in indices and x.dtype not in FLOAT_DTYPES:
-            which = (f"only its {' and '.join(indices.values())} input is int32" if indices
-                     else "it takes no int32 index input")
-            raise TensorSpecError(f"{spec.name} input {i} has dtype {x.dtype}; use float32, "
-                                  f"float16 or bfloat16 ({which})")
+            which = (
+                f"only its {' and '.join(indices.values())} input is int32"
+                if indices
+                else "it takes no int32 index input"
+            )
+            raise TensorSpecError(
+                f"{spec.name} input {i} has dtype {x.dtype}; use float32, "
+                f"float16 or bfloat16 ({which})"
+            )
         if x.device != device:
-            raise TensorSpecError(f"{spec.name} input {i} is on {x.device}; this runtime runs on "
-                                  f"{device}: move it there first")
+            raise TensorSpecError(
+                f"{spec.name} input {i} is on {x.device}; this runtime runs on "
+                f"{device}: move it there first"
+            )
 
 
-def _scalars(spec: OpSpec, given: Mapping[str, float], inputs: Sequence[torch.Tensor]
-             ) -> tuple[float, ...]:
+def _scalars(
+    spec: OpSpec, given: Mapping[str, float], inputs: Sequence[torch.Tensor]
+) -> tuple[float, ...]:
     names = [p.name for p in spec.scalars]
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise TensorSpecError(f"{spec.name} has no parameter(s) {unknown}; "
-                              f"it takes {names or 'none'}")
+        raise TensorSpecError(
+            f"{spec.name} has no parameter(s) {unknown}; it takes {names or 'none'}"
+        )
     values = []
     for p in spec.scalars:
         value = given.get(p.name, p.default)
@@ -239,13 +293,15 @@ def _scalars(spec: OpSpec, given: Mapping[str, float], inputs: Sequence[torch.Te
     return tuple(values)
 
 
-def _output(call: OpCall, shape: tuple[int, ...], device: torch.device,
-            fixed: torch.dtype | None) -> torch.Tensor:
+def _output(
+    call: OpCall, shape: tuple[int, ...], device: torch.device, fixed: torch.dtype | None
+) -> torch.Tensor:
     """The caller's `out`, checked, or a new one; `fixed` is the family's output dtype if it has
     one."""
     if fixed is not None and call.out_dtype not in (None, fixed):
-        raise TensorSpecError(f"{call.op} returns {fixed}; "
-                              f"out_dtype {call.out_dtype} is not possible")
+        raise TensorSpecError(
+            f"{call.op} returns {fixed}; out_dtype {call.out_dtype} is not possible"
+        )
     dtype = fixed or call.out_dtype or _promote(call.inputs)
     if call.out is None:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -253,11 +309,15 @@ def _output(call: OpCall, shape: tuple[int, ...], device: torch.device,
     kind = f"a {fixed} tensor" if fixed else "a float tensor"
     allowed = (fixed,) if fixed else FLOAT_DTYPES
     if tuple(out.shape) != shape or out.dtype not in allowed or out.device != device:
-        raise TensorSpecError(f"{call.op}: out must be {kind} of shape {shape} on {device}, "
-                              f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+        raise TensorSpecError(
+            f"{call.op}: out must be {kind} of shape {shape} on {device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
     if _overlaps_itself(out):
-        raise TensorSpecError(f"{call.op}: out has overlapping elements (an expanded view); "
-                              "pass a tensor whose elements are distinct")
+        raise TensorSpecError(
+            f"{call.op}: out has overlapping elements (an expanded view); "
+            "pass a tensor whose elements are distinct"
+        )
     return out
 
 

@@ -25,6 +25,7 @@ Here: the dispatch mode, the flush and traced regions. Which aten ops are queued
 lowering.py; the queued nodes and the memory they touch: pending.py; guards, recordings and
 replays: tracing.py.
 """
+
 from __future__ import annotations
 
 import collections
@@ -62,21 +63,34 @@ from .tracing import (
 
 P = ParamSpec("P")
 R = TypeVar("R")
-RAW_READS = frozenset({"tolist", "numpy", "__repr__", "__str__", "__format__", "data_ptr",
-                       "untyped_storage", "storage", "__array__", "__dlpack__", "__reduce_ex__",
-                       "__deepcopy__"})
+RAW_READS = frozenset(
+    {
+        "tolist",
+        "numpy",
+        "__repr__",
+        "__str__",
+        "__format__",
+        "data_ptr",
+        "untyped_storage",
+        "storage",
+        "__array__",
+        "__dlpack__",
+        "__reduce_ex__",
+        "__deepcopy__",
+    }
+)
 
 
 @dataclass
 class SchedulerStats:
     """What the scheduler did (counters only grow)."""
 
-    intercepted: int = 0   # aten ops queued as nodes
-    tasks: int = 0         # runtime tasks submitted
-    submissions: int = 0   # runtime.submit calls (one device program per flush)
-    flushes: int = 0       # flushes that submitted work
-    fused: int = 0         # elementwise ops computed inside another op's task, with no own task
-    registered: int = 0    # fused operators this scheduler registered
+    intercepted: int = 0  # aten ops queued as nodes
+    tasks: int = 0  # runtime tasks submitted
+    submissions: int = 0  # runtime.submit calls (one device program per flush)
+    flushes: int = 0  # flushes that submitted work
+    fused: int = 0  # elementwise ops computed inside another op's task, with no own task
+    registered: int = 0  # fused operators this scheduler registered
     # aten op (str(func)) → how often torch ran it (unsupported, too large, or not ours)
     fallbacks: collections.Counter[str] = field(default_factory=collections.Counter)
 
@@ -85,10 +99,10 @@ class SchedulerStats:
 class SchedulerConfig:
     """Knobs of one scheduler, validated at construction."""
 
-    size_threshold: int = 16384    # ops whose tensors have more elements run in torch
+    size_threshold: int = 16384  # ops whose tensors have more elements run in torch
     auto_flush_ms: float | None = 2.0  # pending work is flushed this long after it was queued
-    fuse: bool = True              # inline elementwise chains into one expression operator
-    max_pending: int = 4096        # flush when this many nodes are queued
+    fuse: bool = True  # inline elementwise chains into one expression operator
+    max_pending: int = 4096  # flush when this many nodes are queued
 
     def __post_init__(self) -> None:
         if self.size_threshold < 1 or self.max_pending < 1:
@@ -104,8 +118,9 @@ class _RawReads(TorchFunctionMode):
         super().__init__()
         self.owner = owner
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         owner = self.owner
         if owner._pending.nodes or owner._recording is not None:  # runs for every torch call
             name = getattr(func, "__name__", "")
@@ -140,10 +155,12 @@ class _Ticker:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self.closed and (self.deadline is None
-                                           or self.deadline > time.monotonic()):
-                    self.cond.wait(None if self.deadline is None
-                                   else self.deadline - time.monotonic())
+                while not self.closed and (
+                    self.deadline is None or self.deadline > time.monotonic()
+                ):
+                    self.cond.wait(
+                        None if self.deadline is None else self.deadline - time.monotonic()
+                    )
                 if self.closed:
                     return
                 self.deadline = None
@@ -160,17 +177,17 @@ class Scheduler(TorchDispatchMode):
         super().__init__()
         self.config = config or SchedulerConfig()
         self.runtime = runtime
-        self._device = runtime.device                 # read for every op
+        self._device = runtime.device  # read for every op
         self._cuda = self._device.type == "cuda"
         self.stats = SchedulerStats()
         self._lock = threading.RLock()
         self._pending = Pending()
-        self._ops: dict[str, str] = {}                # canonical expression → operator name
-        self._stream: Any = None                      # the CUDA stream pending work follows
+        self._ops: dict[str, str] = {}  # canonical expression → operator name
+        self._stream: Any = None  # the CUDA stream pending work follows
         self._ticker: _Ticker | None = None
         self._raw = _RawReads(self)
         self._local = threading.local()
-        self._recording: Recording | None = None      # the traced call recording now, if any
+        self._recording: Recording | None = None  # the traced call recording now, if any
 
     # -- context -----------------------------------------------------------------------------
     def __enter__(self) -> Scheduler:
@@ -202,8 +219,9 @@ class Scheduler(TorchDispatchMode):
                 yield
 
     # -- dispatch ----------------------------------------------------------------------------
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         with self._lock:
             self._pending.reap()
@@ -219,8 +237,9 @@ class Scheduler(TorchDispatchMode):
             recording.ran_in_torch(func, args, result, of_pending)
         return result
 
-    def _intercept(self, func: Any, lowered: Lowered, types: Any, args: tuple, kwargs: dict
-                   ) -> torch.Tensor | None:
+    def _intercept(
+        self, func: Any, lowered: Lowered, types: Any, args: tuple, kwargs: dict
+    ) -> torch.Tensor | None:
         """Queue the op and return its (unwritten) result, or None: torch runs it."""
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         # Pending results are eligible and alias nothing: only other tensors need the checks.
@@ -232,17 +251,26 @@ class Scheduler(TorchDispatchMode):
         if self._cuda:
             self._follow_stream()
         p = lowered.bind(args, kwargs)
-        return (self._map_node(lowered.elementwise(p)) if lowered.elementwise is not None
-                else self._row_node(lowered.row, p) if lowered.row
-                else self._reduce_node(lowered.reduce, p))
+        return (
+            self._map_node(lowered.elementwise(p))
+            if lowered.elementwise is not None
+            else self._row_node(lowered.row, p)
+            if lowered.row
+            else self._reduce_node(lowered.reduce, p)
+        )
 
     def _eligible(self, types: Any, tensors: Sequence[torch.Tensor]) -> bool:
         """Plain tensors the runtime takes: float, on its device, small, needing no autograd."""
         grad, device, most = torch.is_grad_enabled(), self._device, self.config.size_threshold
         for t in tensors:  # one loop, no generators: this runs for every op
-            if (type(t) not in PLAIN or t.dtype not in FLOAT_DTYPES or t.device != device
-                    or not 0 < t.numel() <= most or t.dim() > MAX_DIMS
-                    or (grad and t.requires_grad)):
+            if (
+                type(t) not in PLAIN
+                or t.dtype not in FLOAT_DTYPES
+                or t.device != device
+                or not 0 < t.numel() <= most
+                or t.dim() > MAX_DIMS
+                or (grad and t.requires_grad)
+            ):
                 return False
         return all(ty in PLAIN for ty in types)
 
@@ -264,16 +292,22 @@ class Scheduler(TorchDispatchMode):
         shape = broadcast_shape([x.shape for x in m.operands if isinstance(x, torch.Tensor)])
         if shape is None or math.prod(shape) > self.config.size_threshold or len(shape) > MAX_DIMS:
             return None
-        return self._add(tuple([self._operand(x) for x in m.operands]), shape, m.dtype,
-                         build=m.build)
+        return self._add(
+            tuple([self._operand(x) for x in m.operands]), shape, m.dtype, build=m.build
+        )
 
     def _row_node(self, op: str, p: dict) -> torch.Tensor | None:
         x, dim = p["self"], p["dim"]
         if p["half_to_float"] or x.dim() == 0:
             return None
         dim %= x.dim()
-        return self._add((self._operand(x),), tuple(x.shape), x.dtype, op=op,
-                         transpose=None if dim == x.dim() - 1 else dim)
+        return self._add(
+            (self._operand(x),),
+            tuple(x.shape),
+            x.dtype,
+            op=op,
+            transpose=None if dim == x.dim() - 1 else dim,
+        )
 
     def _reduce_node(self, op: str, p: dict) -> torch.Tensor | None:
         x, dims, keepdim = p["self"], p.get("dim"), bool(p.get("keepdim"))
@@ -287,8 +321,9 @@ class Scheduler(TorchDispatchMode):
             shape = tuple(n for d, n in enumerate(x.shape) if dims is not None and d not in dims)
         return self._add((self._operand(x),), shape, x.dtype, op=op, dims=dims, keepdim=keepdim)
 
-    def _add(self, operands: tuple[Operand, ...], shape: tuple[int, ...], dtype: torch.dtype,
-             **kind: Any) -> torch.Tensor:
+    def _add(
+        self, operands: tuple[Operand, ...], shape: tuple[int, ...], dtype: torch.dtype, **kind: Any
+    ) -> torch.Tensor:
         """Queue a node; its result, written at the next flush."""
         out = self._pending.add(operands, shape, dtype, self._device, **kind)
         self.stats.intercepted += 1
@@ -405,8 +440,9 @@ class Scheduler(TorchDispatchMode):
         `Traced`). Keeps at most `cache_size` traces, dropping the least recently used."""
         return Traced(self, fn, cache_size)
 
-    def _record(self, recording: Recording, fn: Callable[..., Any], args: tuple,
-                kwargs: dict[str, Any]) -> tuple[Any, Flushed | None]:
+    def _record(
+        self, recording: Recording, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[Any, Flushed | None]:
         """Run fn as usual under this scheduler while `recording` notes what it cannot replay;
         the call's result and its final flush (every result written)."""
         with self._entered():
@@ -492,8 +528,9 @@ class Traced(Generic[P, R]):
         flushes (its results may be our arguments) and this call runs as usual."""
         if outer is not self.scheduler:
             outer._flush("it calls a function traced by another scheduler")
-        return self._scheduled("called while a region records (its ops run in that region)",
-                               args, kwargs)
+        return self._scheduled(
+            "called while a region records (its ops run in that region)", args, kwargs
+        )
 
     def _record(self, call: Guarded, args: tuple, kwargs: dict[str, Any]) -> R:
         self.stats.misses += 1
@@ -548,17 +585,26 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return found
 
 
-def trace(fn: Callable[P, R], runtime: Runtime, cache_size: int = 8, size_threshold: int = 16384,
-          fuse: bool = True) -> Traced[P, R]:
+def trace(
+    fn: Callable[P, R],
+    runtime: Runtime,
+    cache_size: int = 8,
+    size_threshold: int = 16384,
+    fuse: bool = True,
+) -> Traced[P, R]:
     """`fn` traced by a scheduler of its own over `runtime` (see `Scheduler.trace`); it has no
     auto-flush timer, since a region flushes at its end."""
     config = SchedulerConfig(size_threshold=size_threshold, auto_flush_ms=None, fuse=fuse)
     return Scheduler(runtime, config).trace(fn, cache_size)
 
 
-def scheduler(runtime: Runtime | None = None, size_threshold: int = 16384,
-              auto_flush_ms: float | None = 2.0, fuse: bool = True, max_pending: int = 4096
-              ) -> contextlib.AbstractContextManager[Scheduler]:
+def scheduler(
+    runtime: Runtime | None = None,
+    size_threshold: int = 16384,
+    auto_flush_ms: float | None = 2.0,
+    fuse: bool = True,
+    max_pending: int = 4096,
+) -> contextlib.AbstractContextManager[Scheduler]:
     """A scheduler to use as `with scheduler(...) as sched:`. Without `runtime` it makes its own
     (backend "auto") at entry and closes it at exit; `auto_flush_ms=None` turns the timer off;
     `max_pending` queued ops force a flush (ValueError for out-of-range knobs)."""

@@ -1,4 +1,5 @@
 """Typed errors of the runtime. Every message says what was wrong and what to do about it."""
+
 from __future__ import annotations
 
 
@@ -105,4 +106,3 @@ class NonFiniteOutputError(GpuosError, ValueError):
     def __init__(self, message: str, cases: list[dict]) -> None:
         self.cases = cases
         super().__init__(message)
-

@@ -14,6 +14,7 @@ Grammar, loosest binding first (binary operators are left-associative; compariso
 expression and the torch reference, so the three cannot disagree about what was parsed. Everything
 computes in fp32.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -32,14 +33,23 @@ from gpuos_core.errors import ExpressionError, TensorSpecError
 from gpuos_core.mathlib import FUNCTIONS
 
 MAX_EXPR_CHARS = 1024
-MAX_DEPTH = 64       # nesting of parentheses, calls and unary operators
+MAX_DEPTH = 64  # nesting of parentheses, calls and unary operators
 INPUTS = "ABC"  # in[0..2] of a task (the ABI's fourth input is for index tensors)
 
 _ARITH: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+    "/": operator.truediv,
+}
 _COMPARE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
-    "==": operator.eq, "!=": operator.ne}
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
 _SCALAR_NAME = re.compile(r"s(0|[1-9][0-9]*)")
 _VARIABLES = (*INPUTS, *(f"s{k}" for k in range(MAX_SCALARS)))
 T = TypeVar("T")
@@ -152,8 +162,8 @@ class Compare:
 
 @dataclass(frozen=True)
 class Call:
-    fn: str                  # a key of mathlib.FUNCTIONS
-    args: tuple[Node, ...]   # all of its arguments: the parser fills in defaults
+    fn: str  # a key of mathlib.FUNCTIONS
+    args: tuple[Node, ...]  # all of its arguments: the parser fills in defaults
 
     def canonical(self) -> str:
         return f"{self.fn}({', '.join(a.canonical() for a in self.args)})"
@@ -172,12 +182,12 @@ Node = Num | Input | Scalar | Neg | BinOp | Compare | Call
 class Expr:
     """A parsed, validated expression."""
 
-    text: str           # as given
-    canonical: str      # fully parenthesised, numbers as repr(float), defaults filled in: cache key
-    arity: int          # tensor inputs: the declared arity, else 1 + the highest letter used (A=1)
-    num_scalars: int    # 1 + the highest s<k> used, else 0
-    cuda: str           # C expression over `const float* a` (inputs) and `const float* s` (scalars)
-                        # calling the gpuos_* functions of cuda/ops/math.cuh; fp32 only
+    text: str  # as given
+    canonical: str  # fully parenthesised, numbers as repr(float), defaults filled in: cache key
+    arity: int  # tensor inputs: the declared arity, else 1 + the highest letter used (A=1)
+    num_scalars: int  # 1 + the highest s<k> used, else 0
+    cuda: str  # C expression over `const float* a` (inputs) and `const float* s` (scalars)
+    # calling the gpuos_* functions of cuda/ops/math.cuh; fp32 only
     tree: Node = field(repr=False, compare=False)
 
 
@@ -185,17 +195,24 @@ class Expr:
 class _Token:
     kind: str  # "number", "name", "end", or the operator itself ("+", "<=", "(", ...)
     text: str
-    pos: int   # offset in the expression
+    pos: int  # offset in the expression
 
     def describe(self) -> str:
         return "end of expression" if self.kind == "end" else repr(self.text)
 
 
-_TOKEN = re.compile(r"(?P<space>\s+)|(?P<number>(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)"
-                    r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<power>\*\*)"
-                    r"|(?P<op><=|>=|==|!=|[-+*/<>(),])")
-_HINTS = {"^": ": use pow(x, y) for powers", "=": ": use == to compare", "&": ": use * for 'and'",
-          "|": ": use max(x, y) for 'or'", "!": ": use == 0 for 'not'"}
+_TOKEN = re.compile(
+    r"(?P<space>\s+)|(?P<number>(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)"
+    r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<power>\*\*)"
+    r"|(?P<op><=|>=|==|!=|[-+*/<>(),])"
+)
+_HINTS = {
+    "^": ": use pow(x, y) for powers",
+    "=": ": use == to compare",
+    "&": ": use * for 'and'",
+    "|": ": use max(x, y) for 'or'",
+    "!": ": use == 0 for 'not'",
+}
 
 
 def _tokenize(text: str) -> list[_Token]:
@@ -205,8 +222,9 @@ def _tokenize(text: str) -> list[_Token]:
     while pos < len(text):
         match = _TOKEN.match(text, pos)
         if match is None:
-            raise ExpressionError(f"unexpected character {text[pos]!r}{_HINTS.get(text[pos], '')}",
-                                  text, pos)
+            raise ExpressionError(
+                f"unexpected character {text[pos]!r}{_HINTS.get(text[pos], '')}", text, pos
+            )
         _check_token(match, text)
         if match.lastgroup != "space":
             kind = match.lastgroup if match.lastgroup in ("number", "name") else match.group()
@@ -220,8 +238,8 @@ def _check_token(match: re.Match[str], text: str) -> None:
     if match.lastgroup == "power":
         raise ExpressionError("'**' is not supported: use pow(x, y)", text, match.start())
     end = match.end()
-    if match.lastgroup == "number" and re.match(r"[A-Za-z0-9_.]", text[end:end + 1]):
-        bad = re.split(r"[^A-Za-z0-9_.]", text[match.start():], maxsplit=1)[0]
+    if match.lastgroup == "number" and re.match(r"[A-Za-z0-9_.]", text[end : end + 1]):
+        bad = re.split(r"[^A-Za-z0-9_.]", text[match.start() :], maxsplit=1)[0]
         raise ExpressionError(f"malformed number {bad!r}", text, match.start())
 
 
@@ -231,8 +249,10 @@ def _unknown(name: str) -> str:
     close = [known[k] for k in difflib.get_close_matches(name.lower(), known, n=3, cutoff=0.6)]
     if close:
         return f"unknown name {name!r}; did you mean {' or '.join(map(repr, close))}?"
-    return (f"unknown name {name!r}: inputs are {', '.join(INPUTS)}, "
-            f"scalars s0..s{MAX_SCALARS - 1}, functions {', '.join(sorted(FUNCTIONS))}")
+    return (
+        f"unknown name {name!r}: inputs are {', '.join(INPUTS)}, "
+        f"scalars s0..s{MAX_SCALARS - 1}, functions {', '.join(sorted(FUNCTIONS))}"
+    )
 
 
 class _Parser:
@@ -258,8 +278,11 @@ class _Parser:
     def nested(self, opener: _Token, rule: Callable[[], T]) -> T:
         """Runs `rule` one nesting level deeper; `opener` is the token that opened the level."""
         if self.depth == MAX_DEPTH:
-            raise self.error(f"expression nests deeper than {MAX_DEPTH} levels "
-                             "(parentheses, calls and unary operators)", opener)
+            raise self.error(
+                f"expression nests deeper than {MAX_DEPTH} levels "
+                "(parentheses, calls and unary operators)",
+                opener,
+            )
         self.depth += 1
         node = rule()
         self.depth -= 1
@@ -282,8 +305,9 @@ class _Parser:
         op = self.take().kind
         node = Compare(op, left, self.additive())
         if self.peek().kind in _COMPARE:
-            raise self.error("comparisons do not chain: combine them with * or where(c, x, y)",
-                             self.peek())
+            raise self.error(
+                "comparisons do not chain: combine them with * or where(c, x, y)", self.peek()
+            )
         return node
 
     def additive(self) -> Node:
@@ -352,16 +376,20 @@ class _Parser:
     def input(self, token: _Token) -> Input:
         index = INPUTS.index(token.text)
         if self.arity is not None and index >= self.arity:
-            raise self.error(f"input {token.text!r} is beyond the operator's {self.arity} input(s) "
-                             f"({', '.join(INPUTS[:self.arity])})", token)
+            raise self.error(
+                f"input {token.text!r} is beyond the operator's {self.arity} input(s) "
+                f"({', '.join(INPUTS[: self.arity])})",
+                token,
+            )
         self.num_inputs = max(self.num_inputs, index + 1)
         return Input(index)
 
     def scalar(self, token: _Token) -> Scalar:
         index = int(token.text[1:])
         if index >= MAX_SCALARS:
-            raise self.error(f"there is no scalar {token.text!r}: "
-                             f"scalars are s0..s{MAX_SCALARS - 1}", token)
+            raise self.error(
+                f"there is no scalar {token.text!r}: scalars are s0..s{MAX_SCALARS - 1}", token
+            )
         self.num_scalars = max(self.num_scalars, index + 1)
         return Scalar(index)
 
@@ -369,15 +397,17 @@ class _Parser:
         fn = FUNCTIONS.get(name.text)
         if fn is None:
             known = name.text in _VARIABLES
-            raise self.error(f"{name.text!r} is not a function" if known
-                             else _unknown(name.text), name)
+            raise self.error(
+                f"{name.text!r} is not a function" if known else _unknown(name.text), name
+            )
         opener = self.take()
         args = self.nested(opener, self.arguments)
         self.close(opener, "',' or ')'")
         if not fn.min_args <= len(args) <= fn.max_args:
-            raise self.error(f"{fn.name} takes {_count(fn.min_args, fn.max_args)}, "
-                             f"got {len(args)}", name)
-        missing = fn.defaults[len(args) - fn.min_args:]
+            raise self.error(
+                f"{fn.name} takes {_count(fn.min_args, fn.max_args)}, got {len(args)}", name
+            )
+        missing = fn.defaults[len(args) - fn.min_args :]
         return Call(fn.name, (*args, *(Num(d) for d in missing)))
 
     def arguments(self) -> list[Node]:
@@ -403,35 +433,45 @@ def parse(text: str, arity: int | None = None) -> Expr:
     has that arity even if it uses fewer inputs; without it the arity is inferred from the letters.
     Raises ExpressionError pointing at the offending token."""
     if arity is not None and not 1 <= arity <= len(INPUTS):
-        raise ExpressionError(f"the declared arity must be 1 to {len(INPUTS)}, got {arity}",
-                              text, 0)
+        raise ExpressionError(
+            f"the declared arity must be 1 to {len(INPUTS)}, got {arity}", text, 0
+        )
     if len(text) > MAX_EXPR_CHARS:
-        raise ExpressionError(f"expression is {len(text)} characters long; the limit is "
-                              f"{MAX_EXPR_CHARS}", text, MAX_EXPR_CHARS)
+        raise ExpressionError(
+            f"expression is {len(text)} characters long; the limit is {MAX_EXPR_CHARS}",
+            text,
+            MAX_EXPR_CHARS,
+        )
     if not text.strip():
         raise ExpressionError("empty expression: write a formula over the inputs A, B, C", text, 0)
     parser = _Parser(text, arity)
     tree = parser.expression()
     if parser.num_inputs == 0:
         raise ExpressionError("the expression uses no input: use at least one of A, B, C", text, 0)
-    return Expr(text, tree.canonical(), arity or parser.num_inputs, parser.num_scalars,
-                tree.cuda(), tree)
+    return Expr(
+        text, tree.canonical(), arity or parser.num_inputs, parser.num_scalars, tree.cuda(), tree
+    )
 
 
-def evaluate(expr: Expr, inputs: Sequence[torch.Tensor], scalars: Sequence[float] = ()
-             ) -> torch.Tensor:
+def evaluate(
+    expr: Expr, inputs: Sequence[torch.Tensor], scalars: Sequence[float] = ()
+) -> torch.Tensor:
     """The torch reference of `expr`: inputs are upcast to float32 and broadcast together, scalars
     rounded to float32. Returns a new contiguous float32 tensor of the inputs' broadcast shape (the
     caller casts). Raises TensorSpecError for a wrong number of inputs or too few scalars."""
     if len(inputs) != expr.arity:
-        raise TensorSpecError(f"expression {expr.text!r} takes {expr.arity} input(s), "
-                              f"got {len(inputs)}")
+        raise TensorSpecError(
+            f"expression {expr.text!r} takes {expr.arity} input(s), got {len(inputs)}"
+        )
     if len(scalars) < expr.num_scalars:
-        raise TensorSpecError(f"expression {expr.text!r} uses s{expr.num_scalars - 1}, "
-                              f"got {len(scalars)} scalar(s)")
+        raise TensorSpecError(
+            f"expression {expr.text!r} uses s{expr.num_scalars - 1}, got {len(scalars)} scalar(s)"
+        )
     device = inputs[0].device
-    env = _Env(tuple(t.float() for t in inputs),
-               tuple(torch.tensor(float(s), dtype=torch.float32, device=device) for s in scalars),
-               device)
+    env = _Env(
+        tuple(t.float() for t in inputs),
+        tuple(torch.tensor(float(s), dtype=torch.float32, device=device) for s in scalars),
+        device,
+    )
     shape = torch.broadcast_shapes(*(t.shape for t in inputs))
     return expr.tree.torch(env).expand(shape).clone(memory_format=torch.contiguous_format)

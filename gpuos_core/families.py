@@ -5,6 +5,7 @@ A family knows the shapes its kernels accept, the layout the device code expects
 rows, which tiles split), and which CUDA macro instantiates a version of it. Every operator of the
 catalogue belongs to exactly one family.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,10 +35,10 @@ MIN_RECORD_ELEMENTS = 1024
 class Layout:
     """What a family decided for one call: encoded views, output shape and work items."""
 
-    inputs: tuple[torch.Tensor, ...]   # views as encoded (broadcasts expanded)
-    out_shape: tuple[int, ...]         # shape of the caller's output (Family.fit_out may set it)
-    ref_shape: tuple[int, ...]         # shape of the encoded output (keepdim layout for reductions)
-    items: int                         # work items of the whole task
+    inputs: tuple[torch.Tensor, ...]  # views as encoded (broadcasts expanded)
+    out_shape: tuple[int, ...]  # shape of the caller's output (Family.fit_out may set it)
+    ref_shape: tuple[int, ...]  # shape of the encoded output (keepdim layout for reductions)
+    items: int  # work items of the whole task
     reduce_dims: tuple[int, ...] = ()  # reductions only
 
 
@@ -46,7 +47,7 @@ class Family:
 
     name: str = ""
     header: str = ""  # cuda/ header defining the macro
-    macro: str = ""   # GPUOS_DEFINE_* macro taking the version's symbol
+    macro: str = ""  # GPUOS_DEFINE_* macro taking the version's symbol
     rows_are_items = False  # work items: rows of the last dim (True) or output elements (False)
     inputs_written: tuple[int, ...] = ()  # inputs its operators also write (in place), beside out
     # Inputs read as GPUOS_DTYPE_I32 indices (position: name for messages); all others are floats.
@@ -77,8 +78,9 @@ class Family:
         shape here."""
         return lay
 
-    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
-                end: int) -> None:
+    def execute(
+        self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
+    ) -> None:
         """What the CPU backend runs for one record: work items [begin, end) computed from the
         decoded views `xs` (in their own dtypes) and stored through `out`. Families whose
         operators write elsewhere too (an input updated in place, a scatter) override it."""
@@ -100,8 +102,9 @@ class Family:
         return list(zip(bounds, bounds[1:] + [task.items]))
 
 
-def write_items(out: torch.Tensor, value: torch.Tensor, begin: int, end: int, row_items: bool
-                ) -> None:
+def write_items(
+    out: torch.Tensor, value: torch.Tensor, begin: int, end: int, row_items: bool
+) -> None:
     """Store `value` (shaped like `out`) into `out` for work items [begin, end): output elements
     in row-major order, or whole rows of the last dim when `row_items`."""
     width = out.shape[-1] if row_items and out.dim() else 1
@@ -114,7 +117,7 @@ def write_items(out: torch.Tensor, value: torch.Tensor, begin: int, end: int, ro
         offsets += (index % size) * stride
         index //= size
     flat = out.as_strided((out.untyped_storage().nbytes() // out.element_size(),), (1,), 0)
-    rows = value.reshape(-1)[begin * width:end * width]
+    rows = value.reshape(-1)[begin * width : end * width]
     flat[offsets + out.storage_offset()] = rows.to(out.dtype)
 
 
@@ -134,13 +137,15 @@ def _broadcast(shapes: Sequence[Sequence[int]], what: str) -> tuple[int, ...]:
 def _broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
     """Whether `shape` broadcasts to exactly `target` (numpy rules)."""
     return len(shape) <= len(target) and all(
-        n in (1, t) for n, t in zip(reversed(tuple(shape)), reversed(tuple(target))))
+        n in (1, t) for n, t in zip(reversed(tuple(shape)), reversed(tuple(target)))
+    )
 
 
 def _check_ndim(shape: Sequence[int], what: str, least: int = 0) -> None:
     if not least <= len(shape) <= MAX_DIMS:
-        raise TensorSpecError(f"{what} must have {least} to {MAX_DIMS} dims, "
-                              f"got shape {tuple(shape)}")
+        raise TensorSpecError(
+            f"{what} must have {least} to {MAX_DIMS} dims, got shape {tuple(shape)}"
+        )
 
 
 def _rows(shape: Sequence[int]) -> int:
@@ -192,7 +197,8 @@ class RowFamily(Family):
             if tuple(w.shape) != (x.shape[-1],):
                 raise TensorSpecError(
                     f"{self.name} input {i} must have shape ({x.shape[-1]},) to match the last dim "
-                    f"of input 0 {tuple(x.shape)}, got {tuple(w.shape)}")
+                    f"of input 0 {tuple(x.shape)}, got {tuple(w.shape)}"
+                )
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
         return self._fn(xs, p.scalars)
@@ -223,20 +229,25 @@ class AddNormFamily(RowFamily):
         x, y = inputs[:2]
         _check_ndim(x.shape, f"{self.name} input 0 (x)", least=1)
         if y.shape != x.shape:
-            raise TensorSpecError(f"{self.name}: input 1 (the residual y) must have the shape of "
-                                  f"input 0 (x) {tuple(x.shape)}, got {tuple(y.shape)}")
+            raise TensorSpecError(
+                f"{self.name}: input 1 (the residual y) must have the shape of "
+                f"input 0 (x) {tuple(x.shape)}, got {tuple(y.shape)}"
+            )
         if any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride())):
-            raise TensorSpecError(f"{self.name}: input 0 (x) is updated in place, so it must not "
-                                  f"be an expanded view (a dim of stride 0), got strides "
-                                  f"{x.stride()}")
+            raise TensorSpecError(
+                f"{self.name}: input 0 (x) is updated in place, so it must not "
+                f"be an expanded view (a dim of stride 0), got strides "
+                f"{x.stride()}"
+            )
         self._check_params(x, inputs, first=2)
         return Layout(tuple(inputs), tuple(x.shape), tuple(x.shape), _rows(x.shape))
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
         return self._fn([(xs[0] + xs[1]).to(xs[0].dtype), *xs[2:]], p.scalars)
 
-    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
-                end: int) -> None:
+    def execute(
+        self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
+    ) -> None:
         x, y, params = xs[0], xs[1], xs[2:]
         summed = (x.float() + y.float()).to(x.dtype)  # torch's (x + y).to(x.dtype)
         write_items(x, summed, begin, end, True)
@@ -290,22 +301,25 @@ class RotaryFamily(Family):
         x, cos, sin = inputs[:3]
         _check_ndim(x.shape, "rotary input 0", least=1)
         if x.shape[-1] % 2:
-            raise TensorSpecError(f"rotary: the last dim of input 0 must be even, "
-                                  f"got {tuple(x.shape)}")
+            raise TensorSpecError(
+                f"rotary: the last dim of input 0 must be even, got {tuple(x.shape)}"
+            )
         lead, h = tuple(x.shape[:-1]), x.shape[-1] // 2
         views: tuple[torch.Tensor, ...]
         if len(inputs) > 3:
             if cos.dim() != 2 or cos.shape[0] < 1 or cos.shape[1] != h or sin.shape != cos.shape:
                 raise TensorSpecError(
                     f"rotary with positions: cos and sin must be tables [P, {h}] with P >= 1, got "
-                    f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+                    f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+                )
             views = (x, cos, sin, _index(inputs[3], lead, "rotary positions"))
         else:
             half = lead + (h,)
             for name, t in (("cos", cos), ("sin", sin)):
                 if _broadcast([t.shape, half], f"rotary {name}") != half:
-                    raise TensorSpecError(f"rotary: {name} {tuple(t.shape)} must broadcast to "
-                                          f"{half}")
+                    raise TensorSpecError(
+                        f"rotary: {name} {tuple(t.shape)} must broadcast to {half}"
+                    )
             views = (x, cos.expand(half), sin.expand(half))
         return Layout(views, tuple(x.shape), tuple(x.shape), _rows(x.shape))
 
@@ -336,10 +350,12 @@ class AttentionFamily(Family):
         if k.shape[-1] != d or tuple(v.shape[-2:]) != tuple(k.shape[-2:]):
             raise TensorSpecError(
                 f"attention: q [..., D], K and V [..., L, D] must agree, got q {tuple(q.shape)}, "
-                f"K {tuple(k.shape)}, V {tuple(v.shape)}")
+                f"K {tuple(k.shape)}, V {tuple(v.shape)}"
+            )
         if not 1 <= d <= MAX_HEAD_DIM or k.shape[-2] < 1:
-            raise TensorSpecError(f"attention: need 1 <= D <= {MAX_HEAD_DIM} and L >= 1, got "
-                                  f"D={d}, L={k.shape[-2]}")
+            raise TensorSpecError(
+                f"attention: need 1 <= D <= {MAX_HEAD_DIM} and L >= 1, got D={d}, L={k.shape[-2]}"
+            )
         lead = _broadcast([q.shape[:-1], k.shape[:-2], v.shape[:-2]], "attention leading dims")
         kv = lead + tuple(k.shape[-2:])
         _check_ndim(kv, "attention K")
@@ -361,15 +377,16 @@ class AttentionFamily(Family):
         scores = torch.einsum("...d,...ld->...l", q, k) * p.scalars[0]
         if len(xs) == 3:
             return torch.einsum("...l,...ld->...d", torch.softmax(scores, dim=-1), v)
-        n = xs[3].reshape(xs[3].shape[:q.dim() - 1])  # drops the encoded trailing dim
+        n = xs[3].reshape(xs[3].shape[: q.dim() - 1])  # drops the encoded trailing dim
         # Keys at or past a row's length are never read (the cache may hold anything there).
         keep = torch.arange(k.shape[-2], device=k.device) < n[..., None]
         probs = torch.softmax(scores.masked_fill(~keep, -math.inf), dim=-1)
         probs = torch.where(keep.any(dim=-1, keepdim=True), probs, 0.0)  # no key: zeros, not NaN
         return torch.einsum("...l,...ld->...d", probs, v.masked_fill(~keep[..., None], 0.0))
 
-    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
-                end: int) -> None:
+    def execute(
+        self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
+    ) -> None:
         """The rows of the groups whose split 0 is among items [begin, end): each row once,
         whichever records the items form (the device combines the splits instead)."""
         rows = AttentionPlan.of(*xs).owned_rows(begin, end)
@@ -403,20 +420,24 @@ class ScatterRowsFamily(Family):
         src, index = inputs
         _check_ndim(src.shape, "scatter_rows src", least=1)
         if src.shape[-1] < 1:
-            raise TensorSpecError(f"scatter_rows: src rows must not be empty, "
-                                  f"got {tuple(src.shape)}")
+            raise TensorSpecError(
+                f"scatter_rows: src rows must not be empty, got {tuple(src.shape)}"
+            )
         views = (src, _index(index, tuple(src.shape[:-1]), "scatter_rows index"))
         return Layout(views, (), (), _rows(src.shape))  # out's shape: fit_out
 
     def fit_out(self, lay: Layout, out: torch.Tensor | None) -> Layout:
         if out is None:
-            raise TensorSpecError("scatter_rows writes into the tensor given as out= (the cache it "
-                                  "updates in place): pass one")
+            raise TensorSpecError(
+                "scatter_rows writes into the tensor given as out= (the cache it "
+                "updates in place): pass one"
+            )
         _check_ndim(out.shape, "scatter_rows out", least=1)
         d = lay.inputs[0].shape[-1]
         if out.shape[-1] != d:
-            raise TensorSpecError(f"scatter_rows: out's last dim must be src's ({d}), got out "
-                                  f"{tuple(out.shape)}")
+            raise TensorSpecError(
+                f"scatter_rows: out's last dim must be src's ({d}), got out {tuple(out.shape)}"
+            )
         return replace(lay, out_shape=tuple(out.shape), ref_shape=tuple(out.shape))
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
@@ -425,8 +446,9 @@ class ScatterRowsFamily(Family):
         _scatter_rows(new, src.reshape(-1, src.shape[-1]), index.reshape(-1))
         return new
 
-    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
-                end: int) -> None:
+    def execute(
+        self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
+    ) -> None:
         src, index = xs
         _scatter_rows(out, src.reshape(-1, src.shape[-1])[begin:end], index.reshape(-1)[begin:end])
 
@@ -454,8 +476,9 @@ class GatherRowsFamily(Family):
         out = (*index.shape, table.shape[-1])
         _check_ndim(out, "gather_rows out (index dims, then the table's row)")
         if table.shape[-1] < 1:
-            raise TensorSpecError(f"gather_rows: table rows must not be empty, got "
-                                  f"{tuple(table.shape)}")
+            raise TensorSpecError(
+                f"gather_rows: table rows must not be empty, got {tuple(table.shape)}"
+            )
         return Layout((table, index), out, out, math.prod(index.shape))
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
@@ -480,18 +503,25 @@ class SampleFamily(Family):
         logits, params, rng = inputs
         _check_ndim(logits.shape, "sample_tokens logits", least=1)
         if logits.shape[-1] < 1:
-            raise TensorSpecError(f"sample_tokens: logits rows must not be empty, got "
-                                  f"{tuple(logits.shape)}")
+            raise TensorSpecError(
+                f"sample_tokens: logits rows must not be empty, got {tuple(logits.shape)}"
+            )
         if params.dtype != torch.float32:
-            raise TensorSpecError(f"sample_tokens input 1 (params: temperature, top_p, top_k) must "
-                                  f"be float32 so that top_k is exact, got {params.dtype}")
+            raise TensorSpecError(
+                f"sample_tokens input 1 (params: temperature, top_p, top_k) must "
+                f"be float32 so that top_k is exact, got {params.dtype}"
+            )
         lead = tuple(logits.shape[:-1])
         per_row = lead + (3,)
-        for what, t in (("params (temperature, top_p, top_k)", params),
-                        ("rng (seed low word, seed high word, step)", rng)):
+        for what, t in (
+            ("params (temperature, top_p, top_k)", params),
+            ("rng (seed low word, seed high word, step)", rng),
+        ):
             if not _broadcasts_to(t.shape, per_row):
-                raise TensorSpecError(f"sample_tokens: {what} {tuple(t.shape)} must broadcast to "
-                                      f"{per_row}, three values per row of logits")
+                raise TensorSpecError(
+                    f"sample_tokens: {what} {tuple(t.shape)} must broadcast to "
+                    f"{per_row}, three values per row of logits"
+                )
         views = (logits, params.expand(per_row), rng.expand(per_row))
         return Layout(views, lead, lead, _rows(logits.shape))
 
@@ -499,8 +529,9 @@ class SampleFamily(Family):
         rows = [x.reshape(-1, x.shape[-1]) for x in xs]
         return sample_rows(*rows).reshape(xs[0].shape[:-1])
 
-    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
-                end: int) -> None:
+    def execute(
+        self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
+    ) -> None:
         value = torch.zeros(out.numel(), dtype=torch.int32)
         value[begin:end] = sample_rows(*(x.reshape(-1, x.shape[-1])[begin:end] for x in xs))
         write_items(out, value.reshape(out.shape), begin, end, False)
@@ -508,14 +539,14 @@ class SampleFamily(Family):
 
 # The tiling of cuda/ops/linear.cuh (its GPUOS_LINEAR_* constants; tests/unit/test_linear.py
 # checks that they agree).
-LINEAR_ROWS = 64        # rows of x per m-block (BM)
-LINEAR_COLS = 64        # outputs per n-tile (BN)
-LINEAR_KSTEP = 32       # k per step
-LINEAR_STEP_ALIGN = 8   # a split's steps come in multiples of this
-LINEAR_PART_ROWS = 16   # rows of a partial block are rounded up to this
+LINEAR_ROWS = 64  # rows of x per m-block (BM)
+LINEAR_COLS = 64  # outputs per n-tile (BN)
+LINEAR_KSTEP = 32  # k per step
+LINEAR_STEP_ALIGN = 8  # a split's steps come in multiples of this
+LINEAR_PART_ROWS = 16  # rows of a partial block are rounded up to this
 LINEAR_MAX_SPLITS = 64
-LINEAR_ITEM_COST = 4    # what starting an item costs, in steps of one tile (plan's cost model)
-DEFAULT_SMS = 132       # multiprocessors assumed off a GPU (an H100 or H200), so plans agree
+LINEAR_ITEM_COST = 4  # what starting an item costs, in steps of one tile (plan's cost model)
+DEFAULT_SMS = 132  # multiprocessors assumed off a GPU (an H100 or H200), so plans agree
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -535,9 +566,9 @@ class LinearPlan:
     """How a linear task's work is cut, as cuda/ops/linear.cuh states it: m-blocks of rows of x,
     n-tiles of outputs and `splits` ranges of K, one work item per (m-block, split, n-tile)."""
 
-    m: int       # rows of x
-    n: int       # outputs
-    k: int       # inner dim
+    m: int  # rows of x
+    n: int  # outputs
+    k: int  # inner dim
     splits: int  # K splits (1: no workspace)
 
     @property
@@ -630,16 +661,21 @@ class LinearFamily(Family):
         if w.dim() != 2 or w.shape[1] != x.shape[-1]:
             raise TensorSpecError(
                 f"linear: input 1 (weight) must be [out_features, in_features] with in_features "
-                f"the last dim of input 0 (x) {tuple(x.shape)}, got {tuple(w.shape)}")
+                f"the last dim of input 0 (x) {tuple(x.shape)}, got {tuple(w.shape)}"
+            )
         if bias is not None and tuple(bias.shape) != (w.shape[0],):
-            raise TensorSpecError(f"linear: input 2 (bias) must have shape ({w.shape[0]},) "
-                                  f"(out_features), got {tuple(bias.shape)}")
+            raise TensorSpecError(
+                f"linear: input 2 (bias) must have shape ({w.shape[0]},) "
+                f"(out_features), got {tuple(bias.shape)}"
+            )
         if len({t.dtype for t in inputs}) > 1:
-            raise TensorSpecError(f"linear: x, weight and bias must share one dtype, got "
-                                  f"{', '.join(str(t.dtype) for t in inputs)}")
+            raise TensorSpecError(
+                f"linear: x, weight and bias must share one dtype, got "
+                f"{', '.join(str(t.dtype) for t in inputs)}"
+            )
         plan = LinearPlan.choose(_rows(x.shape), w.shape[0], x.shape[-1], _sm_count(x.device))
         workspace = torch.empty(plan.workspace_words, dtype=torch.int32, device=x.device)
-        workspace[:plan.counters].zero_()  # partials are written before they are read
+        workspace[: plan.counters].zero_()  # partials are written before they are read
         views = (x, w, bias if bias is not None else x.new_empty(0), workspace)
         shape = tuple(x.shape[:-1]) + (w.shape[0],)
         return Layout(views, shape, shape, plan.items)
@@ -648,15 +684,16 @@ class LinearFamily(Family):
         bias = xs[2] if len(xs) > 2 and xs[2].numel() else None
         return torch.nn.functional.linear(xs[0], xs[1], bias)
 
-    def execute(self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int,
-                end: int) -> None:
+    def execute(
+        self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
+    ) -> None:
         plan = LinearPlan.of(xs[0], xs[1], xs[3])
         owned = plan.owned_tiles(begin, end)
         if not owned.any():
             return
         value = self.compute([t.float() for t in xs[:3]], p, expr)
-        rows = owned.repeat_interleave(LINEAR_ROWS, 0)[:plan.m]
-        mask = rows.repeat_interleave(LINEAR_COLS, 1)[:, :plan.n].reshape(out.shape)
+        rows = owned.repeat_interleave(LINEAR_ROWS, 0)[: plan.m]
+        mask = rows.repeat_interleave(LINEAR_COLS, 1)[:, : plan.n].reshape(out.shape)
         out[mask] = value[mask].to(out.dtype)
 
     def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
@@ -671,11 +708,11 @@ class LinearFamily(Family):
 
 # The cut of cuda/ops/attention.cuh (its GPUOS_ATTN_* constants; tests/unit/test_attention.py
 # checks that they agree).
-ATTENTION_ALIGN = 128        # a split's keys come in multiples of this: 16-key tiles over 8 warps
-ATTENTION_ACC = 16           # output accumulators per lane: queries of an item x D / 32
-ATTENTION_MAX_Q = 8          # queries of an item at most
-ATTENTION_HEADER = 4         # workspace words before the counters: G, NQ, C, S
-ATTENTION_ITEMS_PER_SM = 4   # keys are split until the items cover the SMs this many times
+ATTENTION_ALIGN = 128  # a split's keys come in multiples of this: 16-key tiles over 8 warps
+ATTENTION_ACC = 16  # output accumulators per lane: queries of an item x D / 32
+ATTENTION_MAX_Q = 8  # queries of an item at most
+ATTENTION_HEADER = 4  # workspace words before the counters: G, NQ, C, S
+ATTENTION_ITEMS_PER_SM = 4  # keys are split until the items cover the SMs this many times
 ATTENTION_RECORDS_PER_SM = 4  # records per SM at most
 
 
@@ -685,10 +722,10 @@ class AttentionPlan:
     `nq` of the `group` innermost rows that share K, V and lengths, and `splits` ranges of `chunk`
     keys; one work item per (group, split). Shapes and strides decide it, never lengths."""
 
-    rows: int    # rows of q
-    group: int   # G: innermost rows that share K, V and lengths
-    keys: int    # L
-    d: int       # D
+    rows: int  # rows of q
+    group: int  # G: innermost rows that share K, V and lengths
+    keys: int  # L
+    d: int  # D
     splits: int  # S
 
     @property
@@ -727,8 +764,9 @@ class AttentionPlan:
         return ATTENTION_HEADER + self.counters + parts
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
-           ) -> AttentionPlan:
+    def of(
+        cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+    ) -> AttentionPlan:
         """The plan of encoded views (lengths over q's leading dims, then anything): enough splits
         that the items cover ATTENTION_ITEMS_PER_SM times the SMs, when the keys allow."""
         lead, group = q.shape[:-1], 1
@@ -744,8 +782,9 @@ class AttentionPlan:
     def workspace(self, device: torch.device) -> torch.Tensor:
         """Zeroed (the counters must be), after the header the device reads the plan from."""
         words = torch.zeros(self.workspace_words, dtype=torch.int32, device=device)
-        words[:ATTENTION_HEADER] = torch.tensor([self.group, self.nq, self.chunk, self.splits],
-                                                dtype=torch.int32)
+        words[:ATTENTION_HEADER] = torch.tensor(
+            [self.group, self.nq, self.chunk, self.splits], dtype=torch.int32
+        )
         return words
 
     def owned_rows(self, begin: int, end: int) -> torch.Tensor:
@@ -764,8 +803,9 @@ def _carrying(lengths: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
     int32 words (no element is addressed through it: the ABI has no fifth input). The view holds
     the workspace, so that it lives as long as the task's inputs."""
     view = lengths.unsqueeze(-1)
-    view = view.as_strided(view.shape, view.stride()[:-1] + (workspace.data_ptr() // 4,),
-                           view.storage_offset())
+    view = view.as_strided(
+        view.shape, view.stride()[:-1] + (workspace.data_ptr() // 4,), view.storage_offset()
+    )
     view.workspace = workspace  # type: ignore[attr-defined]
     return view
 
@@ -779,8 +819,9 @@ def family(name: str) -> Family:
 _FAMILIES: tuple[Family, ...] = (
     MapFamily(),
     RowFamily("softmax", "GPUOS_DEFINE_SOFTMAX", lambda xs, s: torch.softmax(xs[0], dim=-1)),
-    RowFamily("log_softmax", "GPUOS_DEFINE_LOG_SOFTMAX",
-              lambda xs, s: torch.log_softmax(xs[0], dim=-1)),
+    RowFamily(
+        "log_softmax", "GPUOS_DEFINE_LOG_SOFTMAX", lambda xs, s: torch.log_softmax(xs[0], dim=-1)
+    ),
     RowFamily("layernorm", "GPUOS_DEFINE_LAYERNORM", _layernorm),
     RowFamily("rmsnorm", "GPUOS_DEFINE_RMSNORM", _rmsnorm),
     AddNormFamily("add_layernorm", "GPUOS_DEFINE_ADD_LAYERNORM", _layernorm),

@@ -6,6 +6,7 @@ parameters. A consumer inlines its producers' forms as long as the result fits o
 a node needs a task of its own only if its result is still referenced, a row or reduce op reads
 it, or a consumer could not inline it (`needed`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -24,7 +25,9 @@ MAX_PAREN_DEPTH = 28  # canonical parentheses; the parser also counts calls and 
 # Catalogue operators by (canonical expression, arity): a fused chain that spells one uses it.
 CATALOGUE_BY_TEXT: dict[tuple[str, int], str] = {
     (spec.expression.canonical, spec.arity): name
-    for name, spec in CATALOGUE.items() if spec.expression is not None}
+    for name, spec in CATALOGUE.items()
+    if spec.expression is not None
+}
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,8 @@ class Form:
 
     tree: ExprNode
     leaves: tuple[torch.Tensor | Node, ...]  # Input(k) reads leaves[k]
-    scalars: tuple[float, ...]               # Scalar(k) reads scalars[k]
-    inlined: frozenset[int] = frozenset()    # ids of nodes computed inside this form
+    scalars: tuple[float, ...]  # Scalar(k) reads scalars[k]
+    inlined: frozenset[int] = frozenset()  # ids of nodes computed inside this form
 
 
 def forms_of(nodes: Sequence[Node], fuse: bool) -> dict[int, Form]:
@@ -47,8 +50,14 @@ def forms_of(nodes: Sequence[Node], fuse: bool) -> dict[int, Form]:
         parts = [_part(x, found, fuse) for x in n.operands]
         form = _combine(parts, n.build)
         while not _fits(form):  # materialise the widest inlined producer instead
-            k, widest = max(((i, x) for i, x in enumerate(n.operands) if isinstance(x, Node)
-                             and parts[i].leaves != (x,)), key=lambda ix: len(parts[ix[0]].leaves))
+            k, widest = max(
+                (
+                    (i, x)
+                    for i, x in enumerate(n.operands)
+                    if isinstance(x, Node) and parts[i].leaves != (x,)
+                ),
+                key=lambda ix: len(parts[ix[0]].leaves),
+            )
             parts[k] = Form(Input(0), (widest,), ())
             form = _combine(parts, n.build)
         found[id(n)] = form
@@ -98,16 +107,28 @@ def _rewrite(tree: ExprNode, leaf: Callable[[ExprNode], ExprNode]) -> ExprNode:
 
 def _remap(tree: ExprNode, inputs: Sequence[int], scalars: Sequence[int]) -> ExprNode:
     """`tree` with Input(k) → Input(inputs[k]) and Scalar(k) → Scalar(scalars[k])."""
-    return _rewrite(tree, lambda n: Input(inputs[n.index]) if isinstance(n, Input)
-                    else Scalar(scalars[n.index]) if isinstance(n, Scalar) else n)
+    return _rewrite(
+        tree,
+        lambda n: (
+            Input(inputs[n.index])
+            if isinstance(n, Input)
+            else Scalar(scalars[n.index])
+            if isinstance(n, Scalar)
+            else n
+        ),
+    )
 
 
 def constants(tree: ExprNode, scalars: Sequence[float]) -> ExprNode:
     """Scalars past the task's MAX_SCALARS become constants of the expression."""
     if len(scalars) <= MAX_SCALARS:  # Scalar(k) reads scalars[k]: none is past them
         return tree
-    return _rewrite(tree, lambda n: Num(float(scalars[n.index]))
-                    if isinstance(n, Scalar) and n.index >= MAX_SCALARS else n)
+    return _rewrite(
+        tree,
+        lambda n: (
+            Num(float(scalars[n.index])) if isinstance(n, Scalar) and n.index >= MAX_SCALARS else n
+        ),
+    )
 
 
 def _combine(parts: Sequence[Form], build: Build) -> Form:

@@ -4,6 +4,7 @@ the link of worker + operators + table into one cubin (docs/DESIGN.md, runtime p
 Only glue is generated here, from data: the instantiation of a family macro with a version's
 symbol, an expression functor, and the jump table. Every kernel body lives in cuda/.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,27 +26,36 @@ def op_source(v: OpVersion) -> str:
     lines = [f'#include "{fam.header}"']
     if v.spec.expression is None:
         return "\n".join(lines + [f"{fam.macro}({v.symbol})", ""])
-    return "\n".join(lines + [
-        '#include "ops/math.cuh"',
-        "namespace {",
-        "struct Fn {",
-        "  __device__ float operator()(const float* a, const float* s) const {",
-        v.spec.cuda_body or f"    return {v.spec.expression.cuda};",
-        "  }",
-        "};",
-        "}  // namespace",
-        f"{fam.macro}({v.symbol}, Fn, {v.spec.arity})",
-        "",
-    ])
+    return "\n".join(
+        lines
+        + [
+            '#include "ops/math.cuh"',
+            "namespace {",
+            "struct Fn {",
+            "  __device__ float operator()(const float* a, const float* s) const {",
+            v.spec.cuda_body or f"    return {v.spec.expression.cuda};",
+            "  }",
+            "};",
+            "}  // namespace",
+            f"{fam.macro}({v.symbol}, Fn, {v.spec.arity})",
+            "",
+        ]
+    )
 
 
 def jump_table_source(slots: Sequence[OpVersion]) -> str:
     """Translation unit defining the jump table: slot i calls slots[i]."""
     decls = [f'extern "C" __device__ void {v.symbol}(const GpuosTask*);' for v in slots]
     entries = ", ".join(v.symbol for v in slots) or "0"
-    return "\n".join(['#include "gpuos_abi.h"', *decls,
-                      f'extern "C" __device__ GpuosOpFn gpuos_jump_table[] = {{{entries}}};',
-                      f'extern "C" __device__ int gpuos_jump_table_size = {len(slots)};', ""])
+    return "\n".join(
+        [
+            '#include "gpuos_abi.h"',
+            *decls,
+            f'extern "C" __device__ GpuosOpFn gpuos_jump_table[] = {{{entries}}};',
+            f'extern "C" __device__ int gpuos_jump_table_size = {len(slots)};',
+            "",
+        ]
+    )
 
 
 def version_unit(v: OpVersion, arch: str = DEFAULT_ARCH) -> CompileSpec:
@@ -53,8 +63,9 @@ def version_unit(v: OpVersion, arch: str = DEFAULT_ARCH) -> CompileSpec:
     return CompileSpec(v.symbol, op_source(v), arch)
 
 
-def image_units(slots: Sequence[OpVersion], arch: str = DEFAULT_ARCH,
-                trace: bool = False) -> list[CompileSpec]:
+def image_units(
+    slots: Sequence[OpVersion], arch: str = DEFAULT_ARCH, trace: bool = False
+) -> list[CompileSpec]:
     """Every unit an image of `slots` links: the worker, each version, the jump table; all
     compiled to record per-record times when `trace` (CudaConfig.trace)."""
     worker = CompileSpec("gpuos_worker", (CUDA_DIR / WORKER_SOURCE).read_text(), arch)
@@ -73,18 +84,27 @@ def compile_version(v: OpVersion, arch: str = DEFAULT_ARCH, cache: JitCache | No
 class ImageBuild:
     """A linked image and what it cost."""
 
-    binary: bytes      # the cubin to load
+    binary: bytes  # the cubin to load
     compile_ms: float  # compiling (or loading from cache) every unit
-    link_ms: float     # nvJitLink
+    link_ms: float  # nvJitLink
 
 
-def build_image(slots: Sequence[OpVersion], arch: str = DEFAULT_ARCH,
-                cache: JitCache | None = None, trace: bool = False) -> ImageBuild:
+def build_image(
+    slots: Sequence[OpVersion],
+    arch: str = DEFAULT_ARCH,
+    cache: JitCache | None = None,
+    trace: bool = False,
+) -> ImageBuild:
     """Link the worker, every version in `slots` and their jump table into one cubin."""
     started = time.perf_counter()
     # A bar only when compiling takes a while (a replica's first start, not cache hits or swaps).
-    units = tqdm(image_units(slots, arch, trace), desc="gpuos: compiling operators", unit="unit",
-                 delay=2.0, leave=False)
+    units = tqdm(
+        image_units(slots, arch, trace),
+        desc="gpuos: compiling operators",
+        unit="unit",
+        delay=2.0,
+        leave=False,
+    )
     objects = [(u.name, compile_object(u, cache)) for u in units]
     compiled = time.perf_counter()
     binary = link_image(objects, arch)

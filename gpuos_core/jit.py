@@ -6,6 +6,7 @@ describes one artifact (FlashInfer-style); `compile_object` is try-load / build 
 `JitCache`; `link_image` links objects with nvJitLink. NVRTC and nvJitLink need no GPU, so all
 of this runs in CI.
 """
+
 from __future__ import annotations
 
 import functools
@@ -79,8 +80,9 @@ def device_arch(major: int, minor: int) -> str | None:
 def _validate_arch(arch: str) -> None:
     """Raise ValueError unless `arch` is one the runtime builds for."""
     if arch not in supported_archs():
-        raise ValueError(f"unsupported arch {arch!r}: this NVRTC builds "
-                         f"{', '.join(supported_archs())}")
+        raise ValueError(
+            f"unsupported arch {arch!r}: this NVRTC builds {', '.join(supported_archs())}"
+        )
 
 
 def _update(digest: Any, *parts: bytes) -> None:

@@ -5,6 +5,7 @@ theirs (expr.py nodes), so that chains can be fused into one operator (fusion.py
 row ops and sum/mean map to catalogue operators by name. A lowering returns None where the op's
 arguments are outside what the runtime computes exactly as torch does; torch then runs it.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,9 +26,9 @@ class MapOp(NamedTuple):
     """An aten op recognised as elementwise: operands and how to combine their expressions (a
     NamedTuple: made for every queued op, and a frozen dataclass takes three times as long)."""
 
-    operands: tuple[Any, ...]   # tensors and python numbers, in the order `build` takes them
+    operands: tuple[Any, ...]  # tensors and python numbers, in the order `build` takes them
     build: Build
-    dtype: torch.dtype          # result dtype, by torch's promotion
+    dtype: torch.dtype  # result dtype, by torch's promotion
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,17 @@ class Lowered:
     names: tuple[str, ...]
     defaults: tuple[Any, ...]
     elementwise: Callable[[dict], MapOp | None] | None  # its MapOp (None: torch runs the op)
-    row: str                                            # else a row operator (softmax)
-    reduce: str                                         # or a reduction (sum, mean)
+    row: str  # else a row operator (softmax)
+    reduce: str  # or a reduction (sum, mean)
 
     @classmethod
-    def of(cls, func: torch._ops.OpOverload,
-           elementwise: Callable[[dict], MapOp | None] | None = None, row: str = "",
-           reduce: str = "") -> Lowered:
+    def of(
+        cls,
+        func: torch._ops.OpOverload,
+        elementwise: Callable[[dict], MapOp | None] | None = None,
+        row: str = "",
+        reduce: str = "",
+    ) -> Lowered:
         arguments = func._schema.arguments
         defaults = (a.default_value if a.has_default_value() else None for a in arguments)
         return cls(tuple(a.name for a in arguments), tuple(defaults), elementwise, row, reduce)
@@ -73,8 +78,11 @@ def _dtype(*values: Any) -> torch.dtype:
     if len(values) == 1:
         return values[0].dtype
     a, b = values
-    if type(a) is torch.Tensor and a.dtype in FLOAT_DTYPES and (
-            type(b) in (int, float) or (type(b) is torch.Tensor and b.dtype == a.dtype)):
+    if (
+        type(a) is torch.Tensor
+        and a.dtype in FLOAT_DTYPES
+        and (type(b) in (int, float) or (type(b) is torch.Tensor and b.dtype == a.dtype))
+    ):
         return a.dtype  # what result_type says for these, without its microsecond
     return torch.result_type(a, b)
 
@@ -90,6 +98,7 @@ def _unary(fn: str) -> Callable[[dict], MapOp | None]:
 
 def _binop(sym: str, swap: bool = False) -> Callable[[dict], MapOp | None]:
     """self ∘ other (other ∘ self when `swap`); add/sub's alpha scales the second operand."""
+
     def plain(x: Sequence[ExprNode]) -> ExprNode:
         return BinOp(sym, x[0], x[1])
 
@@ -105,6 +114,7 @@ def _binop(sym: str, swap: bool = False) -> Callable[[dict], MapOp | None]:
         if alpha in (None, 1):
             return MapOp((a, b), plain, dtype)
         return MapOp((a, b, alpha), scaled, dtype)
+
     return lower
 
 
@@ -114,6 +124,7 @@ def _pair(fn: str, first: str, second: str) -> Callable[[dict], MapOp | None]:
     def lower(p: dict) -> MapOp | None:
         a, b = p[first], p[second]
         return MapOp((a, b), build, _dtype(a, b)) if _value(a) and _value(b) else None
+
     return lower
 
 
@@ -126,6 +137,7 @@ def _params(fn: str, *names: str) -> Callable[[dict], MapOp | None]:
         if not all(_number(v) for v in values):
             return None
         return MapOp((p["self"], *values), build, _dtype(p["self"]))
+
     return lower
 
 
@@ -156,30 +168,56 @@ def _div_mode(p: dict) -> MapOp | None:
 def _to_copy(p: dict) -> MapOp | None:
     """A dtype conversion on the same device: identity, cast at the store."""
     x, dtype = p["self"], p["dtype"] or p["self"].dtype
-    if (p["layout"] not in (None, torch.strided) or p["pin_memory"]
-            or p["device"] not in (None, x.device) or dtype not in FLOAT_DTYPES
-            or p["memory_format"] not in (None, torch.preserve_format, torch.contiguous_format)):
+    if (
+        p["layout"] not in (None, torch.strided)
+        or p["pin_memory"]
+        or p["device"] not in (None, x.device)
+        or dtype not in FLOAT_DTYPES
+        or p["memory_format"] not in (None, torch.preserve_format, torch.contiguous_format)
+    ):
         return None
     return MapOp((x,), lambda e: e[0], dtype)
 
 
 MAP_OPS: dict[Any, Callable[[dict], MapOp | None]] = {
-    aten.add.Tensor: _binop("+"), aten.add.Scalar: _binop("+"),
-    aten.sub.Tensor: _binop("-"), aten.sub.Scalar: _binop("-"),
-    aten.rsub.Tensor: _binop("-", swap=True), aten.rsub.Scalar: _binop("-", swap=True),
-    aten.mul.Tensor: _binop("*"), aten.mul.Scalar: _binop("*"),
-    aten.div.Tensor: _binop("/"), aten.div.Scalar: _binop("/"), aten.div.Tensor_mode: _div_mode,
+    aten.add.Tensor: _binop("+"),
+    aten.add.Scalar: _binop("+"),
+    aten.sub.Tensor: _binop("-"),
+    aten.sub.Scalar: _binop("-"),
+    aten.rsub.Tensor: _binop("-", swap=True),
+    aten.rsub.Scalar: _binop("-", swap=True),
+    aten.mul.Tensor: _binop("*"),
+    aten.mul.Scalar: _binop("*"),
+    aten.div.Tensor: _binop("/"),
+    aten.div.Scalar: _binop("/"),
+    aten.div.Tensor_mode: _div_mode,
     aten.maximum.default: _pair("max", "self", "other"),
     aten.minimum.default: _pair("min", "self", "other"),
     aten.pow.Tensor_Tensor: _pair("pow", "self", "exponent"),
     aten.pow.Tensor_Scalar: _pair("pow", "self", "exponent"),
     aten.pow.Scalar: _pair("pow", "self", "exponent"),
     aten.neg.default: lambda p: MapOp((p["self"],), lambda x: Neg(x[0]), _dtype(p["self"])),
-    aten.reciprocal.default: lambda p: MapOp((p["self"],), lambda x: BinOp("/", Num(1.0), x[0]),
-                                             _dtype(p["self"])),
-    **{getattr(aten, fn).default: _unary(fn) for fn in (
-        "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "silu",
-        "hardsigmoid", "hardswish")},
+    aten.reciprocal.default: lambda p: MapOp(
+        (p["self"],), lambda x: BinOp("/", Num(1.0), x[0]), _dtype(p["self"])
+    ),
+    **{
+        getattr(aten, fn).default: _unary(fn)
+        for fn in (
+            "relu",
+            "sigmoid",
+            "tanh",
+            "exp",
+            "log",
+            "sqrt",
+            "rsqrt",
+            "abs",
+            "sin",
+            "cos",
+            "silu",
+            "hardsigmoid",
+            "hardswish",
+        )
+    },
     aten.gelu.default: _gelu,
     aten.leaky_relu.default: _params("leaky_relu", "negative_slope"),
     aten.hardtanh.default: _params("hardtanh", "min_val", "max_val"),
@@ -191,8 +229,12 @@ MAP_OPS: dict[Any, Callable[[dict], MapOp | None]] = {
     aten._to_copy.default: _to_copy,
 }
 ROW_OPS = {aten._softmax.default: "softmax", aten._log_softmax.default: "log_softmax"}
-REDUCE_OPS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.default: "mean",
-              aten.mean.dim: "mean"}
+REDUCE_OPS = {
+    aten.sum.default: "sum",
+    aten.sum.dim_IntList: "sum",
+    aten.mean.default: "mean",
+    aten.mean.dim: "mean",
+}
 # Every op above by id: an OpOverload hashes in Python, an id in C (they live as long as torch).
 LOWERED: dict[int, Lowered] = {
     **{id(f): Lowered.of(f, elementwise=fn) for f, fn in MAP_OPS.items()},

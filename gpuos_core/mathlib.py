@@ -1,6 +1,7 @@
 """The math functions of the operator expression language: one table, read by the parser (names,
 argument counts, defaults), the CUDA code generator (device function names in cuda/ops/math.cuh) and
 the torch reference. Adding a function means one row here and one device function in math.cuh."""
+
 from __future__ import annotations
 
 import functools
@@ -18,11 +19,11 @@ Operand = torch.Tensor | float
 class MathFn:
     """One function callable from an expression."""
 
-    name: str                     # as written in expressions
-    min_args: int                 # required arguments
-    max_args: int                 # min_args + len(defaults)
-    defaults: tuple[float, ...]   # values of the trailing optional arguments, in order
-    cuda: str                     # `__device__ float` function of cuda/ops/math.cuh (max_args)
+    name: str  # as written in expressions
+    min_args: int  # required arguments
+    max_args: int  # min_args + len(defaults)
+    defaults: tuple[float, ...]  # values of the trailing optional arguments, in order
+    cuda: str  # `__device__ float` function of cuda/ops/math.cuh (max_args)
     torch: Callable[..., torch.Tensor]  # fp32 reference: max_args tensors or floats, broadcast
 
 
@@ -61,40 +62,47 @@ def _where(cond: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return torch.where(cond != 0, x, y)
 
 
-def _fn(name: str, ref: Callable[..., torch.Tensor], min_args: int = 1,
-        defaults: tuple[float, ...] = ()) -> MathFn:
-    return MathFn(name, min_args, min_args + len(defaults), defaults, f"gpuos_{name}",
-                  _fp32_args(ref))
+def _fn(
+    name: str, ref: Callable[..., torch.Tensor], min_args: int = 1, defaults: tuple[float, ...] = ()
+) -> MathFn:
+    return MathFn(
+        name, min_args, min_args + len(defaults), defaults, f"gpuos_{name}", _fp32_args(ref)
+    )
 
 
-FUNCTIONS: Mapping[str, MathFn] = MappingProxyType({f.name: f for f in (
-    _fn("relu", torch.relu),
-    _fn("sigmoid", torch.sigmoid),
-    _fn("tanh", torch.tanh),
-    _fn("exp", torch.exp),
-    _fn("log", torch.log),
-    _fn("sqrt", torch.sqrt),
-    _fn("rsqrt", torch.rsqrt),
-    _fn("abs", torch.abs),
-    _fn("sin", torch.sin),
-    _fn("cos", torch.cos),
-    _fn("erf", torch.erf),
-    _fn("gelu", F.gelu),
-    _fn("gelu_tanh", _gelu_tanh),
-    _fn("silu", F.silu),
-    _fn("hardsigmoid", F.hardsigmoid),
-    _fn("hardswish", F.hardswish),
-    _fn("neg", torch.neg),
-    _fn("reciprocal", torch.reciprocal),
-    _fn("leaky_relu", _leaky_relu, defaults=(0.01,)),
-    _fn("hardtanh", torch.clamp, defaults=(-1.0, 1.0)),
-    _fn("elu", _elu, defaults=(1.0,)),
-    _fn("softplus", _softplus, defaults=(1.0, 20.0)),
-    _fn("clamp", torch.clamp, min_args=3),
-    _fn("clamp_min", torch.clamp_min, min_args=2),
-    _fn("clamp_max", torch.clamp_max, min_args=2),
-    _fn("max", torch.maximum, min_args=2),
-    _fn("min", torch.minimum, min_args=2),
-    _fn("pow", torch.pow, min_args=2),
-    _fn("where", _where, min_args=3),
-)})
+FUNCTIONS: Mapping[str, MathFn] = MappingProxyType(
+    {
+        f.name: f
+        for f in (
+            _fn("relu", torch.relu),
+            _fn("sigmoid", torch.sigmoid),
+            _fn("tanh", torch.tanh),
+            _fn("exp", torch.exp),
+            _fn("log", torch.log),
+            _fn("sqrt", torch.sqrt),
+            _fn("rsqrt", torch.rsqrt),
+            _fn("abs", torch.abs),
+            _fn("sin", torch.sin),
+            _fn("cos", torch.cos),
+            _fn("erf", torch.erf),
+            _fn("gelu", F.gelu),
+            _fn("gelu_tanh", _gelu_tanh),
+            _fn("silu", F.silu),
+            _fn("hardsigmoid", F.hardsigmoid),
+            _fn("hardswish", F.hardswish),
+            _fn("neg", torch.neg),
+            _fn("reciprocal", torch.reciprocal),
+            _fn("leaky_relu", _leaky_relu, defaults=(0.01,)),
+            _fn("hardtanh", torch.clamp, defaults=(-1.0, 1.0)),
+            _fn("elu", _elu, defaults=(1.0,)),
+            _fn("softplus", _softplus, defaults=(1.0, 20.0)),
+            _fn("clamp", torch.clamp, min_args=3),
+            _fn("clamp_min", torch.clamp_min, min_args=2),
+            _fn("clamp_max", torch.clamp_max, min_args=2),
+            _fn("max", torch.maximum, min_args=2),
+            _fn("min", torch.minimum, min_args=2),
+            _fn("pow", torch.pow, min_args=2),
+            _fn("where", _where, min_args=3),
+        )
+    }
+)

@@ -3,6 +3,7 @@
 The table is immutable: a swap or rollback builds the next table, the runtime prepares (compiles,
 links, loads) what it needs, and only then publishes it, so a failure leaves the old one serving.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,8 +19,8 @@ from .errors import OperatorExistsError, RollbackError, UnknownOperatorError
 class OpVersion:
     """One immutable version of one operator."""
 
-    spec: OpSpec   # its definition
-    version: int   # 1, 2, ... per operator
+    spec: OpSpec  # its definition
+    version: int  # 1, 2, ... per operator
 
     @property
     def name(self) -> str:
@@ -64,8 +65,10 @@ class OpTable:
         """Table whose current version of `name` is the one active before the last change."""
         stack = self._stack(name)
         if len(stack) < 2:
-            raise RollbackError(f"{name} is at its first active version {stack[-1].version}: "
-                                "nothing to roll back to")
+            raise RollbackError(
+                f"{name} is at its first active version {stack[-1].version}: "
+                "nothing to roll back to"
+            )
         active = dict(self.active)
         active[name] = stack[:-1]
         return OpTable(self.history, MappingProxyType(active)), stack[-2]
@@ -74,8 +77,9 @@ class OpTable:
         """Versions the next image holds: current and previous of every operator (dual slot)."""
         return tuple(v for name in self.active for v in self._stack(name)[-2:])
 
-    def _with(self, name: str, made: OpVersion, stack: tuple[OpVersion, ...]
-              ) -> tuple[OpTable, OpVersion]:
+    def _with(
+        self, name: str, made: OpVersion, stack: tuple[OpVersion, ...]
+    ) -> tuple[OpTable, OpVersion]:
         history, active = dict(self.history), dict(self.active)
         history[name] = history.get(name, ()) + (made,)
         active[name] = stack + (made,)
@@ -83,8 +87,9 @@ class OpTable:
 
     def _known(self, name: str) -> str:
         if name not in self.active:
-            raise UnknownOperatorError(f"unknown operator {name!r}; known: "
-                                       f"{', '.join(sorted(self.active))}")
+            raise UnknownOperatorError(
+                f"unknown operator {name!r}; known: {', '.join(sorted(self.active))}"
+            )
         return name
 
     def _stack(self, name: str) -> tuple[OpVersion, ...]:

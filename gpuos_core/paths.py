@@ -1,4 +1,5 @@
 """Where the runtime finds its CUDA sources and keeps its caches."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,9 @@ def shipped(package: Path, name: str) -> Path:
 
 
 # The CUDA sources; GPUOS_CUDA_DIR points it elsewhere (e.g. operators under development).
-CUDA_DIR: Path = Path(os.environ.get("GPUOS_CUDA_DIR")
-                      or shipped(Path(__file__).resolve().parent, "cuda"))
+CUDA_DIR: Path = Path(
+    os.environ.get("GPUOS_CUDA_DIR") or shipped(Path(__file__).resolve().parent, "cuda")
+)
 
 
 def cache_dir() -> Path:

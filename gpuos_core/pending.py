@@ -4,6 +4,7 @@ A queued op is a `Node` whose result is a real tensor the runtime writes at the 
 indexes results by tensor and by storage so that the scheduler can tell, for any tensor torch is
 about to touch, whether it is a pending result, a view of one, or the input of a pending task.
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,14 +28,14 @@ class Node:
     shape: tuple[int, ...]
     dtype: torch.dtype
     ref: weakref.ref[torch.Tensor]
-    build: Build | None = None       # elementwise: expression over the operands' expressions
-    op: str = ""                     # row/reduce: catalogue operator name
+    build: Build | None = None  # elementwise: expression over the operands' expressions
+    op: str = ""  # row/reduce: catalogue operator name
     device: torch.device = torch.device("cpu")
     dims: tuple[int, ...] | None = None  # sum/mean dims (None: all)
     keepdim: bool = False
-    transpose: int | None = None     # softmax over this dim, via a view swapping it with the last
+    transpose: int | None = None  # softmax over this dim, via a view swapping it with the last
     pinned: torch.Tensor | None = None  # set when a view of the result escaped
-    temp: torch.Tensor | None = None    # output allocated at flush when the result object died
+    temp: torch.Tensor | None = None  # output allocated at flush when the result object died
 
     def alive(self) -> bool:
         return self.pinned is not None or self.ref() is not None
@@ -66,15 +67,21 @@ class Pending:
         self._by_id: dict[int, Node] = {}  # id(result tensor) → node
         # Counts as plain dicts read with .get: a Counter's miss is a Python call, and most are.
         self._results: dict[int, int] = {}  # storage → live results
-        self._inputs: dict[int, int] = {}   # storage → task inputs
+        self._inputs: dict[int, int] = {}  # storage → task inputs
         self._dead: collections.deque[tuple[int, int, int]] = collections.deque()
         self._epoch = 0  # bumped by `take`: callbacks of results taken before are ignored
 
     def __len__(self) -> int:
         return len(self.nodes)
 
-    def add(self, operands: tuple[Operand, ...], shape: tuple[int, ...], dtype: torch.dtype,
-            device: torch.device, **kind: Any) -> torch.Tensor:
+    def add(
+        self,
+        operands: tuple[Operand, ...],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        **kind: Any,
+    ) -> torch.Tensor:
         """Queue a node over `operands`; its result, allocated now and written at the flush."""
         out = torch.empty(shape, dtype=dtype, device=device)
         storage, dead = out.data_ptr(), self._dead  # a fresh tensor starts its storage

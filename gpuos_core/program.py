@@ -23,6 +23,7 @@ Where the tensors themselves change between runs (a traced region's arguments an
 `Binding` says where their addresses sit in the records and `Program.rebind` rewrites them all
 with one numpy scatter, keeping the edges and the event plan.
 """
+
 from __future__ import annotations
 
 import threading
@@ -51,8 +52,8 @@ class Binding:
     viewed as uint64, holds the address of bound tensor `slots[i]` plus `deltas[i]` bytes (the
     view a task encodes, measured from that tensor's data_ptr)."""
 
-    words: np.ndarray   # index into the records viewed as uint64
-    slots: np.ndarray   # which bound tensor
+    words: np.ndarray  # index into the records viewed as uint64
+    slots: np.ndarray  # which bound tensor
     deltas: np.ndarray  # uint64, added modulo 2**64: a view may start before its tensor's data_ptr
 
 
@@ -60,11 +61,11 @@ class Binding:
 class Program:
     """A built program: its records with the event plan, and the counters they use."""
 
-    tasks: TaskList                       # every record, joins included, encoded once
-    deps: tuple[tuple[int, ...], ...]     # per task: the tasks it waits for (implied ones dropped)
-    events: torch.Tensor | None           # one counter per event (int32 storage, read as uint32);
-                                          # None when no task depends on another
-    joins: int                            # join records (no operator) in `tasks`
+    tasks: TaskList  # every record, joins included, encoded once
+    deps: tuple[tuple[int, ...], ...]  # per task: the tasks it waits for (implied ones dropped)
+    events: torch.Tensor | None  # one counter per event (int32 storage, read as uint32);
+    # None when no task depends on another
+    joins: int  # join records (no operator) in `tasks`
     last: Batch | None = field(default=None, repr=False)  # the latest run
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one submit at a time
 
@@ -108,8 +109,12 @@ class Program:
 class ProgramBuilder:
     """Collects tasks in order; `build()` derives the edges and encodes the program."""
 
-    def __init__(self, prepare: Callable[[OpCall], Prepared],
-                 allocate: Callable[[int], np.ndarray], device: torch.device) -> None:
+    def __init__(
+        self,
+        prepare: Callable[[OpCall], Prepared],
+        allocate: Callable[[int], np.ndarray],
+        device: torch.device,
+    ) -> None:
         self._prepare, self._allocate, self._device = prepare, allocate, device
         self._tasks: list[Prepared] = []
         self._after: list[tuple[int, ...]] = []
@@ -121,8 +126,9 @@ class ProgramBuilder:
         index = len(self._tasks)
         bad = [a for a in order if not (isinstance(a, int) and 0 <= a < index)]
         if bad:
-            raise ProgramError(f"task {index} ({call.op}): after={bad} must name earlier tasks "
-                               f"(0..{index - 1})")
+            raise ProgramError(
+                f"task {index} ({call.op}): after={bad} must name earlier tasks (0..{index - 1})"
+            )
         self._tasks.append(self._prepare(call))
         self._after.append(order)
         return self._tasks[-1].out
@@ -173,7 +179,8 @@ class _Accesses:
                 if s[0] in kind:
                     kind[s[0]] = [a for a in kind[s[0]] if not (s[1] <= a.lo and a.hi <= s[2])]
         (self._writes if write else self._reads).setdefault(s[0], []).append(
-            _Access(s[1], s[2], task))
+            _Access(s[1], s[2], task)
+        )
 
 
 def data_flow(tasks: Sequence[Prepared]) -> list[set[int]]:
@@ -184,8 +191,9 @@ def data_flow(tasks: Sequence[Prepared]) -> list[set[int]]:
         reads = [x for k, x in enumerate(task.inputs) if k not in task.inputs_written]
         wspans = [s for s in map(span, writes) if s]
         rspans = [s for s in map(span, reads) if s]
-        found = set().union(*(seen.conflicts(s, True) for s in wspans),
-                            *(seen.conflicts(s, False) for s in rspans))
+        found = set().union(
+            *(seen.conflicts(s, True) for s in wspans), *(seen.conflicts(s, False) for s in rspans)
+        )
         for s in rspans:
             seen.record(s, i, False)
         for s in wspans:
@@ -194,8 +202,9 @@ def data_flow(tasks: Sequence[Prepared]) -> list[set[int]]:
     return deps
 
 
-def reduce_edges(found: Sequence[set[int]], after: Sequence[tuple[int, ...]]
-                 ) -> tuple[tuple[int, ...], ...]:
+def reduce_edges(
+    found: Sequence[set[int]], after: Sequence[tuple[int, ...]]
+) -> tuple[tuple[int, ...], ...]:
     """Direct dependencies without those another dependency implies (transitive reduction over
     ancestor bitsets: Python ints, one bit per task)."""
     ancestors: list[int] = []
@@ -220,7 +229,7 @@ class _Plan:
 
     signal: list[int] = field(default_factory=list)
     waits: list[tuple[tuple[int, int], ...]] = field(default_factory=list)  # (event, count) pairs
-    joins: list[int] = field(default_factory=list)   # per task: join records before its tiles
+    joins: list[int] = field(default_factory=list)  # per task: join records before its tiles
     events: int = 0
 
     def event(self) -> int:
@@ -240,7 +249,7 @@ def plan_events(tasks: Sequence[Prepared], deps: Sequence[tuple[int, ...]]) -> _
             join = plan.event()
             for k in range(0, len(waits), MAX_WAITS):
                 plan.signal.append(join)
-                plan.waits.append(waits[k:k + MAX_WAITS])
+                plan.waits.append(waits[k : k + MAX_WAITS])
                 joins += 1
             waits = ((join, joins),)
         if i in producers:
@@ -252,8 +261,12 @@ def plan_events(tasks: Sequence[Prepared], deps: Sequence[tuple[int, ...]]) -> _
     return plan
 
 
-def encode_program(tasks: Sequence[Prepared], deps: tuple[tuple[int, ...], ...],
-                   allocate: Callable[[int], np.ndarray], device: torch.device) -> Program:
+def encode_program(
+    tasks: Sequence[Prepared],
+    deps: tuple[tuple[int, ...], ...],
+    allocate: Callable[[int], np.ndarray],
+    device: torch.device,
+) -> Program:
     """Records of every task (joins before their task's tiles) in `allocate`d memory, with the
     event plan written in; the counters live on `device`."""
     plan = plan_events(tasks, deps)
@@ -273,8 +286,9 @@ def encode_program(tasks: Sequence[Prepared], deps: tuple[tuple[int, ...], ...],
     owners = np.repeat(np.arange(len(tasks), dtype=np.int32), counts)
     op_of_record = op_of_task[owners]
     op_of_record[records["op_slot"] == OP_NOP] = -1
-    listed = TaskList(tuple(tasks), records, owners, tuple(names), op_of_task, op_of_record,
-                      pinned=True)
+    listed = TaskList(
+        tuple(tasks), records, owners, tuple(names), op_of_task, op_of_record, pinned=True
+    )
     return Program(listed, deps, events, sum(plan.joins))
 
 

@@ -11,6 +11,7 @@ submissions, drains those in flight, loads the new image and releases them (docs
 runtime protocol 3). A rollback whose target is still loaded (dual slot) only flips the
 host-side alias.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,12 +49,12 @@ BACKENDS = ("auto", "cuda", "cpu")
 class ChangeReport:
     """What the last image change cost (the swap breakdown the benchmarks report)."""
 
-    generation: int     # image generation it loaded
-    compile_ms: float   # compiling new versions (cache hits for the rest), off the request path
-    canary_ms: float    # the sandboxed canary of the new version (GPU only), off the request path
-    link_ms: float      # linking the image, off the request path
-    pause_ms: float     # submissions held: drain in-flight batches, load, publish
-    load_ms: float      # drain plus the backend's load (worker stop, module load), in the pause
+    generation: int  # image generation it loaded
+    compile_ms: float  # compiling new versions (cache hits for the rest), off the request path
+    canary_ms: float  # the sandboxed canary of the new version (GPU only), off the request path
+    link_ms: float  # linking the image, off the request path
+    pause_ms: float  # submissions held: drain in-flight batches, load, publish
+    load_ms: float  # drain plus the backend's load (worker stop, module load), in the pause
     comparison: Comparison | None = None  # a swapped-in version beside the one it replaced
 
 
@@ -79,6 +80,7 @@ def cuda_unusable_reason() -> str | None:
     """None when a CUDA device can run the worker, else why not (for logs and errors)."""
     try:
         from cuda.bindings import driver
+
         (err,) = driver.cuInit(0)
         if err != driver.CUresult.CUDA_SUCCESS:
             return f"cuInit failed: {err.name}"
@@ -90,8 +92,10 @@ def cuda_unusable_reason() -> str | None:
         return f"no CUDA driver ({type(exc).__name__}: {exc})"
     if device_arch(major, minor) is not None:
         return None
-    reason = (f"device 0 is sm_{major}{minor}, which the device code cannot be built for (it "
-              f"builds {', '.join(supported_archs())})")
+    reason = (
+        f"device 0 is sm_{major}{minor}, which the device code cannot be built for (it "
+        f"builds {', '.join(supported_archs())})"
+    )
     log.warning("%s: the GPU is not used", reason)  # unlike a machine without one, a surprise
     return reason
 
@@ -99,10 +103,12 @@ def cuda_unusable_reason() -> str | None:
 def _capability(driver: Any, index: int) -> tuple[int, int]:
     """(major, minor) compute capability of a device, read from the driver (no context)."""
     attribute, device = driver.CUdevice_attribute, driver.cuDeviceGet(index)[1]
-    major = driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-                                        device)[1]
-    minor = driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-                                        device)[1]
+    major = driver.cuDeviceGetAttribute(
+        attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device
+    )[1]
+    minor = driver.cuDeviceGetAttribute(
+        attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device
+    )[1]
     return major, minor
 
 
@@ -115,9 +121,11 @@ def select_backend(config: RuntimeConfig) -> tuple[Backend, str]:
     if choice == "cuda" and reason:
         raise BackendUnavailableError(f"backend 'cuda' requested but {reason}")
     if choice == "cpu" or reason:
-        return CpuBackend(), "cpu backend (" + ("requested" if choice == "cpu" else
-                                                f"auto: {reason}") + ")"
+        return CpuBackend(), "cpu backend (" + (
+            "requested" if choice == "cpu" else f"auto: {reason}"
+        ) + ")"
     from .backends.cuda import CudaBackend  # imports the driver only where there is one
+
     why = "requested" if choice == "cuda" else "auto: a CUDA device is usable"
     return CudaBackend(config.cuda), f"cuda backend ({why})"
 
@@ -196,8 +204,9 @@ class Runtime:
             program.last = self._launch(program.tasks, program.events, idle=True)
             return program.last
 
-    def _launch(self, work: TaskList, events: torch.Tensor | None = None, idle: bool = False
-                ) -> Batch:
+    def _launch(
+        self, work: TaskList, events: torch.Tensor | None = None, idle: bool = False
+    ) -> Batch:
         """Resolve and launch; `idle`: no submission of `work` can still be copying its records."""
         with self._submit_lock:
             if self._closed:
@@ -216,15 +225,27 @@ class Runtime:
             return TaskList.alone(tasks[0])
         return encode_batch(tasks, self._backend.host_records)
 
-    def run(self, op: str, *inputs: torch.Tensor, out: torch.Tensor | None = None,
-            timeout: float | None = 30.0, **scalars: float) -> torch.Tensor:
+    def run(
+        self,
+        op: str,
+        *inputs: torch.Tensor,
+        out: torch.Tensor | None = None,
+        timeout: float | None = 30.0,
+        **scalars: float,
+    ) -> torch.Tensor:
         """Convenience: one task, submitted alone, waited for (tests, scripts, benchmarks)."""
         task = self.prepare(OpCall(op, tuple(inputs), out, scalars))
         return self.submit([task]).wait(timeout).result(0)
 
     # -- operator changes ----------------------------------------------------------------------
-    def register(self, name: str, expression: str, arity: int | None = None,
-                 cuda: str | None = None, canary: bool = True) -> OpVersion:
+    def register(
+        self,
+        name: str,
+        expression: str,
+        arity: int | None = None,
+        cuda: str | None = None,
+        canary: bool = True,
+    ) -> OpVersion:
         """Add a new elementwise operator (version 1) from an expression, or from raw CUDA (the
         body of its functor, where the configuration allows it) with the expression as its
         reference. Compiled, canary-checked on a GPU, then activated. `canary=False` only for a
@@ -235,8 +256,14 @@ class Runtime:
             self._activate(table, candidate=spec if canary else None)
             return made
 
-    def swap(self, name: str, expression: str, cuda: str | None = None, canary: bool = True,
-             allow_nonfinite: bool = False) -> OpVersion:
+    def swap(
+        self,
+        name: str,
+        expression: str,
+        cuda: str | None = None,
+        canary: bool = True,
+        allow_nonfinite: bool = False,
+    ) -> OpVersion:
         """Make a new version of `name` current; the version it replaces stays loaded (previous).
         A version that fails to compile or fails its canary raises and changes nothing;
         `canary` as for `register`. With `canary`, the new version first runs beside the current
@@ -245,8 +272,11 @@ class Runtime:
         with self._change_lock:
             current = self._state.table.current(name).spec
             spec = new_version(current, expression, self._allowed(cuda))
-            compared = (compare_with_current(current, spec, secrets.randbits(31), allow_nonfinite)
-                        if canary else None)
+            compared = (
+                compare_with_current(current, spec, secrets.randbits(31), allow_nonfinite)
+                if canary
+                else None
+            )
             table, made = self._state.table.swapped(spec)
             self._activate(table, candidate=spec if canary else None, comparison=compared)
             return made
@@ -286,8 +316,13 @@ class Runtime:
         self.close()
 
     # -- internals -----------------------------------------------------------------------------
-    def _activate(self, table: OpTable, compile_new: bool = True,
-                  candidate: OpSpec | None = None, comparison: Comparison | None = None) -> None:
+    def _activate(
+        self,
+        table: OpTable,
+        compile_new: bool = True,
+        candidate: OpSpec | None = None,
+        comparison: Comparison | None = None,
+    ) -> None:
         """Compile what is new, canary-check `candidate`, link the image (all off the request
         path), then quiesce, load and publish."""
         slots = table.slots()
@@ -299,8 +334,11 @@ class Runtime:
         self._canary(candidate)
         checked = time.perf_counter()
         traced = self.config.cuda.trace
-        build = (build_image(slots, self._arch, self._cache, traced)
-                 if self._backend.needs_image_binary else ImageBuild(b"", 0.0, 0.0))
+        build = (
+            build_image(slots, self._arch, self._cache, traced)
+            if self._backend.needs_image_binary
+            else ImageBuild(b"", 0.0, 0.0)
+        )
         paused = time.perf_counter()
         with self._submit_lock:
             self._drain()
@@ -309,9 +347,14 @@ class Runtime:
             loaded = time.perf_counter()
             self._state = _State.of(table, image)
         self.last_change = ChangeReport(
-            image.generation, 1e3 * (compiled - started) + build.compile_ms,
-            1e3 * (checked - compiled), build.link_ms, 1e3 * (time.perf_counter() - paused),
-            1e3 * (loaded - paused), comparison)
+            image.generation,
+            1e3 * (compiled - started) + build.compile_ms,
+            1e3 * (checked - compiled),
+            build.link_ms,
+            1e3 * (time.perf_counter() - paused),
+            1e3 * (loaded - paused),
+            comparison,
+        )
         log.info("%s", self.last_change)
 
     def _canary(self, candidate: OpSpec | None) -> None:
@@ -323,8 +366,10 @@ class Runtime:
 
     def _allowed(self, cuda: str | None) -> str | None:
         if cuda is not None and not self.config.allow_raw_cuda:
-            raise RawCudaDisabledError("raw CUDA operators are disabled in this deployment; "
-                                       "send an expression, or enable allow_raw_cuda")
+            raise RawCudaDisabledError(
+                "raw CUDA operators are disabled in this deployment; "
+                "send an expression, or enable allow_raw_cuda"
+            )
         return cuda
 
     def _drain(self) -> None:

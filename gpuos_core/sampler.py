@@ -6,6 +6,7 @@ Selection compares logits exactly, as the kernel does; masses are summed here in
 noise uses torch.log, so a token can differ from the kernel's only when a top-p mass or two noisy
 keys tie within float rounding.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,7 @@ def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """High and low 32-bit words of a * b for a constant a < 2^32 and int64 b in [0, 2^32). b is
     split in 16-bit halves so that no int64 product overflows."""
     low, high = a * (b & 0xFFFF), a * (b >> 16)  # each < 2^48
-    t = low + ((high & 0xFFFF) << 16)              # a * b = t + (high >> 16) * 2^32
+    t = low + ((high & 0xFFFF) << 16)  # a * b = t + (high >> 16) * 2^32
     return ((t >> 32) + (high >> 16)) & MASK32, t & MASK32
 
 
@@ -57,7 +58,7 @@ def _uniform_words(cols: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
 
 def gumbel_noise(words: torch.Tensor) -> torch.Tensor:
     """g = -log(-log(u)), u = ((x >> 9) + 0.5) * 2^-23 in (0, 1), in float32 (u is exact)."""
-    u = ((words >> 9).float() + 0.5) * 2.0 ** -23
+    u = ((words >> 9).float() + 0.5) * 2.0**-23
     return -torch.log(-torch.log(u))
 
 
@@ -66,8 +67,7 @@ def _kth_largest(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return values.gather(-1, (k - 1).clamp(0, values.shape[-1] - 1)[:, None])[:, 0]
 
 
-def _top_k(z: torch.Tensor, kept: torch.Tensor, k: torch.Tensor, use: torch.Tensor
-           ) -> torch.Tensor:
+def _top_k(z: torch.Tensor, kept: torch.Tensor, k: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
     """kept narrowed, in rows where `use`, to tokens at or above the k-th largest kept logit (all
     of kept when it holds at most k tokens)."""
     if not use.any():
@@ -77,8 +77,14 @@ def _top_k(z: torch.Tensor, kept: torch.Tensor, k: torch.Tensor, use: torch.Tens
     return kept & (~use[:, None] | (z >= _kth_largest(ranked, k)[:, None]))
 
 
-def _top_p(z: torch.Tensor, kept: torch.Tensor, m: torch.Tensor, temp: torch.Tensor,
-           top_p: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+def _top_p(
+    z: torch.Tensor,
+    kept: torch.Tensor,
+    m: torch.Tensor,
+    temp: torch.Tensor,
+    top_p: torch.Tensor,
+    use: torch.Tensor,
+) -> torch.Tensor:
     """kept narrowed, in rows where `use`, to logits >= v*, the largest kept logit whose kept
     tokens at or above it hold at least top_p of kept's mass exp((z - m) / T) (float64)."""
     if not use.any():
@@ -97,7 +103,7 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor) -
     z = logits.float()
     temp, top_p, top_k = params.float().unbind(-1)
     m, arg = z.max(dim=-1)  # the first index of the max, like torch.argmax
-    k = top_k.nan_to_num(0.0).clamp(-2.0**31, 2.0**31 - 1).long()
+    k = top_k.nan_to_num(0.0).clamp(-(2.0**31), 2.0**31 - 1).long()
     sampled = (temp > 0) & (k != 1) & m.isfinite()
     if not sampled.any():
         return arg.int()

@@ -1,4 +1,5 @@
 """Tasks encoded for submission: ABI records back to back and the operators they use."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
@@ -15,10 +16,10 @@ class Resolution(Protocol):
     """What resolving needs of the runtime's published state."""
 
     @property
-    def aliases(self) -> Mapping[str, int]: ...       # logical name → physical slot
+    def aliases(self) -> Mapping[str, int]: ...  # logical name → physical slot
 
     @property
-    def slot_versions(self) -> np.ndarray: ...        # physical slot → version number
+    def slot_versions(self) -> np.ndarray: ...  # physical slot → version number
 
 
 @dataclass(eq=False)
@@ -27,12 +28,12 @@ class TaskList:
     (resolved to a slot only at submit, so a TaskList may be submitted more than once)."""
 
     tasks: tuple[Prepared, ...]
-    records: np.ndarray         # TASK records of every task, tiles included
-    owners: np.ndarray          # record → task index
-    op_names: tuple[str, ...]   # distinct operators
-    op_of_task: np.ndarray      # task → index into op_names
-    op_of_record: np.ndarray    # record → index into op_names; -1: a record that runs no operator
-    pinned: bool = False        # records come from Backend.host_records: copied from directly
+    records: np.ndarray  # TASK records of every task, tiles included
+    owners: np.ndarray  # record → task index
+    op_names: tuple[str, ...]  # distinct operators
+    op_of_task: np.ndarray  # task → index into op_names
+    op_of_record: np.ndarray  # record → index into op_names; -1: a record that runs no operator
+    pinned: bool = False  # records come from Backend.host_records: copied from directly
     # The published state whose slots `records` hold, and each task's version under it: a
     # resubmission under the same state skips resolving again (microseconds per submit).
     resolved: tuple[Resolution, np.ndarray] | None = field(default=None, repr=False)
@@ -56,8 +57,7 @@ class TaskList:
                 # not drain), so this one gets its own, staged like any pageable records.
                 self.records, self.pinned = self.records.copy(), False
         # Join records (op -1) take the last entry, OP_NOP: they run no operator.
-        slots = np.array([*(state.aliases[name] for name in self.op_names), OP_NOP],
-                         dtype=np.int32)
+        slots = np.array([*(state.aliases[name] for name in self.op_names), OP_NOP], dtype=np.int32)
         self.records["op_slot"] = slots.take(self.op_of_record)
         versions = state.slot_versions.take(slots.take(self.op_of_task))
         self.resolved = (state, versions)
@@ -74,5 +74,6 @@ def encode_batch(tasks: Sequence[Prepared], allocate: Callable[[int], np.ndarray
     records = allocate(sum(counts))
     np.concatenate([t.records.view(RAW_TASK) for t in tasks], out=records.view(RAW_TASK))
     owners = np.repeat(np.arange(len(tasks), dtype=np.int32), counts)
-    return TaskList(tuple(tasks), records, owners, tuple(names), op_of_task, op_of_task[owners],
-                    pinned=True)
+    return TaskList(
+        tuple(tasks), records, owners, tuple(names), op_of_task, op_of_task[owners], pinned=True
+    )

@@ -15,6 +15,7 @@ other than views, no read of a value on the host, no flush. A replay allocates f
 writes the arguments' and results' addresses into the program's records (one numpy scatter,
 `program.Binding`), submits the program and waits.
 """
+
 from __future__ import annotations
 
 import collections
@@ -33,8 +34,22 @@ from .runtime import Runtime
 FLUSH_TIMEOUT_S = 60.0  # how long a flush or a replay waits for its program
 # Argument values guards compare by value (anything else cannot be guarded: a call with one runs
 # the scheduler's path). Floats compare by their hex text, so -0.0 is not 0.0 and NaN is NaN.
-VALUES = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
-                    torch.layout, torch.memory_format, torch.Size})
+VALUES = frozenset(
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+        torch.Size,
+    }
+)
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types whose data the runtime may read
 # How leaves nest (hashable): None for a leaf, else (type, children) or (dict, keys, children).
 Structure = Any
@@ -47,11 +62,11 @@ class TraceStats:
     """What a traced function did (counters only grow). Every call is counted once in `replayed`,
     `recorded` or `not_replayable`."""
 
-    calls: int = 0      # calls of the traced function
-    replayed: int = 0   # answered by replaying a trace: no Python per op
-    recorded: int = 0   # guards matched no trace: ran the scheduler's path and recorded one
-    misses: int = 0     # guards matched no trace (each records one, replayable or not)
-    evicted: int = 0    # traces dropped to keep at most cache_size per function
+    calls: int = 0  # calls of the traced function
+    replayed: int = 0  # answered by replaying a trace: no Python per op
+    recorded: int = 0  # guards matched no trace: ran the scheduler's path and recorded one
+    misses: int = 0  # guards matched no trace (each records one, replayable or not)
+    evicted: int = 0  # traces dropped to keep at most cache_size per function
     # why → calls that ran the scheduler's path because their trace cannot be replayed (the
     # recording included) or their arguments cannot be guarded
     not_replayable: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -83,10 +98,10 @@ def unflatten(structure: Structure, leaves: Iterator[Any]) -> Any:
 class Guarded:
     """One call's arguments as the guards see them."""
 
-    leaves: list[Any]          # the arguments, flattened
-    key: Hashable | None       # the guard signature; None when an argument cannot be guarded
-    addresses: list[int]       # data_ptr of each tensor leaf, 0 for the other leaves
-    why: str = ""              # why the call cannot be guarded (key None)
+    leaves: list[Any]  # the arguments, flattened
+    key: Hashable | None  # the guard signature; None when an argument cannot be guarded
+    addresses: list[int]  # data_ptr of each tensor leaf, 0 for the other leaves
+    why: str = ""  # why the call cannot be guarded (key None)
 
 
 def guard(args: tuple, kwargs: dict[str, Any]) -> Guarded:
@@ -104,24 +119,40 @@ def guard(args: tuple, kwargs: dict[str, Any]) -> Guarded:
         if kind in PLAIN:
             ptr = x.data_ptr()
             storage = storages.setdefault(ptr - x.storage_offset() * x.itemsize, i)
-            signature.append((kind, x.shape, x.stride(), x.dtype, x.device, x.requires_grad,
-                              storage, objects.setdefault(id(x), i)))
+            signature.append(
+                (
+                    kind,
+                    x.shape,
+                    x.stride(),
+                    x.dtype,
+                    x.device,
+                    x.requires_grad,
+                    storage,
+                    objects.setdefault(id(x), i),
+                )
+            )
             addresses.append(ptr)
         elif kind in VALUES:
             signature.append((kind, x.hex() if kind is float else x))
             addresses.append(0)
         else:
-            return Guarded(leaves, None, [], f"an argument of type {kind.__name__} cannot be "
-                           "guarded (tensors, numbers, strings, None, dtypes and devices can, "
-                           "in tuples, lists and dicts)")
+            return Guarded(
+                leaves,
+                None,
+                [],
+                f"an argument of type {kind.__name__} cannot be "
+                "guarded (tensors, numbers, strings, None, dtypes and devices can, "
+                "in tuples, lists and dicts)",
+            )
     return Guarded(leaves, (structure, _modes(), tuple(signature)), addresses)
 
 
 def _modes() -> Hashable:
     """The torch modes that change which ops a region's code dispatches: grad mode (what may be
     queued) and autocast (the casts it inserts)."""
-    return torch.is_grad_enabled(), *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                                      for d in ("cpu", "cuda"))
+    return torch.is_grad_enabled(), *(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    )
 
 
 @dataclass(frozen=True)
@@ -140,11 +171,11 @@ class Trace:
     the function returns."""
 
     runtime: Runtime
-    program: Program | None             # None: the region leaves no work to run
-    binding: Binding | None             # slots: the arguments' leaves, then the results
+    program: Program | None  # None: the region leaves no work to run
+    binding: Binding | None  # slots: the arguments' leaves, then the results
     results: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # shape and dtype of each result
-    returns: tuple[Returned, ...]       # each returned leaf
-    structure: Structure                # how the returned leaves nest
+    returns: tuple[Returned, ...]  # each returned leaf
+    structure: Structure  # how the returned leaves nest
 
     def replay(self, leaves: Sequence[Any], addresses: Sequence[int]) -> Any:
         """The function's return value for arguments `leaves` (at `addresses`) that passed this
@@ -156,8 +187,10 @@ class Trace:
             bound = np.array([*addresses, *(o.data_ptr() for o in outs)], dtype=np.uint64)
             self.program.rebind(self.binding, bound)
             self.runtime.submit(self.program).wait(FLUSH_TIMEOUT_S).check()
-        picked = (leaves[i] if kind == ARG else outs[i] if kind == RESULT else value
-                  for kind, i, value in self.returns)
+        picked = (
+            leaves[i] if kind == ARG else outs[i] if kind == RESULT else value
+            for kind, i, value in self.returns
+        )
         return unflatten(self.structure, picked)
 
 
@@ -170,7 +203,8 @@ class Recording:
         self.reason: str | None = None
         # id → (tensor, argument leaf): the tensor arguments and each view of one the region made
         self._views: dict[int, tuple[torch.Tensor, int]] = {
-            id(x): (x, i) for i, x in enumerate(guarded.leaves) if isinstance(x, torch.Tensor)}
+            id(x): (x, i) for i, x in enumerate(guarded.leaves) if isinstance(x, torch.Tensor)
+        }
 
     def refuse(self, reason: str) -> None:
         """Mark the trace not replayable; the first reason is the one kept."""
@@ -182,8 +216,9 @@ class Recording:
         hit = self._views.get(id(t))
         return hit[1] if hit is not None and hit[0] is t else None
 
-    def ran_in_torch(self, func: torch._ops.OpOverload, args: tuple, result: Any,
-                     of_pending: bool) -> None:
+    def ran_in_torch(
+        self, func: torch._ops.OpOverload, args: tuple, result: Any, of_pending: bool
+    ) -> None:
         """An op the scheduler left to torch. A view replays as the addresses its readers
         encode (a view of an argument is bound to it); any other op, or a view of a pending
         result (`of_pending`), cannot be replayed."""
@@ -232,8 +267,10 @@ class Recording:
                 return RESULT, slots[id(node)], None
             return VALUE, 0, x  # a tensor the region reads in place: the same one every call
         if type(x) not in VALUES:
-            self.refuse(f"returns a {type(x).__name__} (tensors and plain values replay, in "
-                        "tuples, lists and dicts)")
+            self.refuse(
+                f"returns a {type(x).__name__} (tensors and plain values replay, in "
+                "tuples, lists and dicts)"
+            )
         return VALUE, 0, x
 
     def _binding(self, flushed: Flushed, outputs: list[Node]) -> Binding:
@@ -245,8 +282,13 @@ class Recording:
         for i, n in enumerate(flushed.tasks):
             sources: tuple[Operand, ...] = (n, *inputs_of(n, flushed.forms.get(id(n))))
             for operand, source in enumerate(sources, start=-1):
-                slot = (result_slot.get(id(source)) if isinstance(source, Node)
-                        else None if isinstance(source, float) else self.argument_of(source))
+                slot = (
+                    result_slot.get(id(source))
+                    if isinstance(source, Node)
+                    else None
+                    if isinstance(source, float)
+                    else self.argument_of(source)
+                )
                 if slot is not None:  # else memory the trace owns or reads in place
                     uses.append((i, operand, slot))
         addresses = [*self.guarded.addresses, *(n.tensor().data_ptr() for n in outputs)]

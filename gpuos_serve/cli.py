@@ -8,6 +8,7 @@
 signals, exit status and output are theirs. Installed, the scripts and configs come from the
 package; in a checkout, from its bench/ and deployments/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,11 @@ def serve_command(config: str | None, args: list[str]) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     """The command word's parser; what follows the word belongs to the command."""
-    commands = argparse.ArgumentParser(prog="gpuos-serve", description=__doc__,
-                                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = argparse.ArgumentParser(
+        prog="gpuos-serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands.add_argument("command", choices=("build", "bench", "serve"))
     return commands
 

@@ -12,6 +12,7 @@ serving.tensors, serving.routes.JsonRoute, serving.jsonfast), without the runtim
 (compare.py writes such configs). GET /v1/stats counts the torch calls and the requests they
 answered, of the replica that answers it, in the shape of gpuos-serve's `total`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -47,9 +48,9 @@ class BaselineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Kind
-    backend: Backend = "auto"                 # cpu, or cuda when a GPU is visible (auto)
+    backend: Backend = "auto"  # cpu, or cuda when a GPU is visible (auto)
     max_elements: int = Field(1 << 20, ge=1)  # as gpuos-serve's: most input elements a request
-    num_cpus: float = Field(1.0, ge=0)        # CPUs one replica reserves
+    num_cpus: float = Field(1.0, ge=0)  # CPUs one replica reserves
 
 
 @serve.ingress()
@@ -63,7 +64,10 @@ class Baseline:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.batches = self.tasks = 0  # torch calls made, requests they answered
         methods: dict[Kind, Callable[[OpCall], Awaitable[torch.Tensor]]] = {
-            "torch": self.per_request, "serve-batch": self.batched, "echo": self.echo}
+            "torch": self.per_request,
+            "serve-batch": self.batched,
+            "echo": self.echo,
+        }
         self.compute = methods[args.kind]
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -73,12 +77,20 @@ class Baseline:
         """The answer to POST /v1/ops/`op` (version 0: no runtime versions here)."""
         call = to_call(op, body, request_budgets(self.args.max_elements).inputs, self.device)
         out = await self.compute(call)
-        return {"op": op, "version": 0, "output": from_tensor(out, answer_encoding(body)),
-                "replica": self.replica_id}
+        return {
+            "op": op,
+            "version": 0,
+            "output": from_tensor(out, answer_encoding(body)),
+            "replica": self.replica_id,
+        }
 
     def stats(self) -> dict[str, float]:
-        return {"requests": self.tasks, "batches": self.batches, "tasks": self.tasks,
-                "mean_batch_size": self.tasks / self.batches if self.batches else 0.0}
+        return {
+            "requests": self.tasks,
+            "batches": self.batches,
+            "tasks": self.tasks,
+            "mean_batch_size": self.tasks / self.batches if self.batches else 0.0,
+        }
 
     async def per_request(self, call: OpCall) -> torch.Tensor:
         self.batches, self.tasks = self.batches + 1, self.tasks + 1
@@ -127,8 +139,9 @@ def reference(call: OpCall) -> torch.Tensor:
     """`call` by its operator's torch reference: one torch call, as a plain app would make."""
     spec = CATALOGUE.get(call.op)
     if spec is None:
-        raise UnknownOperatorError(f"unknown operator {call.op!r}; the baselines have the "
-                                   "catalogue's only")
+        raise UnknownOperatorError(
+            f"unknown operator {call.op!r}; the baselines have the catalogue's only"
+        )
     out = run_reference(spec, call)
     return out if call.out_dtype is None else out.to(call.out_dtype)
 
@@ -148,8 +161,13 @@ def concat_key(call: OpCall) -> tuple[Hashable, ...] | None:
     width = row_width(call)
     if width is None:
         return None
-    return (call.op, width, tuple(x.dtype for x in call.inputs),
-            tuple(sorted(call.scalars.items())), call.out_dtype)
+    return (
+        call.op,
+        width,
+        tuple(x.dtype for x in call.inputs),
+        tuple(sorted(call.scalars.items())),
+        call.out_dtype,
+    )
 
 
 def row_width(call: OpCall) -> int | None:
@@ -169,8 +187,9 @@ def run_group(calls: Sequence[OpCall]) -> list[torch.Tensor]:
     if len(calls) == 1:
         return [reference(calls[0])]
     first, width = calls[0], row_width(calls[0]) or 1
-    inputs = tuple(torch.cat([c.inputs[k].reshape(-1, width) for c in calls])
-                   for k in range(len(first.inputs)))
+    inputs = tuple(
+        torch.cat([c.inputs[k].reshape(-1, width) for c in calls]) for k in range(len(first.inputs))
+    )
     joined = reference(OpCall(first.op, inputs, scalars=first.scalars, out_dtype=first.out_dtype))
     pieces = joined.split([c.inputs[0].numel() // width for c in calls])
     return [piece.reshape(c.inputs[0].shape) for piece, c in zip(pieces, calls)]

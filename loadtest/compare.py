@@ -14,6 +14,7 @@ user count: RPS, p50/p99, failures, mean batch size from /v1/stats, `ratio_vs_se
 `summary` of ours at 64 users) and compare.md (the table) into --out, with Locust's CSVs and each
 instance's log beside them. Needs no network. Exits 1 when any request failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,12 +74,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--ingress", choices=INGRESSES, default="haproxy")
     parser.add_argument("--encoding", choices=("list", "b64"), default="b64")
-    parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="ours' runtime backend and the baselines' torch device (auto: cuda "
-                             "where a GPU is visible; a replica then reserves one GPU)")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="ours' runtime backend and the baselines' torch device (auto: cuda "
+        "where a GPU is visible; a replica then reserves one GPU)",
+    )
     parser.add_argument("--replicas", type=int, default=1, help="replicas of each configuration")
-    parser.add_argument("--locust-processes", type=int, default=1,
-                        help="Locust processes (one core each): more where one cannot keep up")
+    parser.add_argument(
+        "--locust-processes",
+        type=int,
+        default=1,
+        help="Locust processes (one core each): more where one cannot keep up",
+    )
     parser.add_argument("--out", type=Path, help="report folder (default loadtest/results/...)")
     return parser.parse_args(argv)
 
@@ -98,8 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 backends[config] = describe(target)["backend"]
                 rows += [measure(target, config, users, args, out) for users in args.users]
     report = with_ratios(rows)
-    document = {"environment": environment(args, ingress, backends), "runs": report,
-                "summary": summary(report, args.users)}
+    document = {
+        "environment": environment(args, ingress, backends),
+        "runs": report,
+        "summary": summary(report, args.users),
+    }
     (out / "compare.json").write_text(json.dumps(document, indent=2))
     (out / "compare.md").write_text(table(report, document["environment"]))
     print((out / "compare.md").read_text())
@@ -114,21 +126,33 @@ def write_base(config: str, args: argparse.Namespace, state: Path, token: str) -
     ours = base["applications"][0]
     limits = {key: ours["deployments"][0][key] for key in SHARED}
     if config == "ours":
-        ours["args"].update({"backend": args.backend, "state_dir": str(state),
-                             "admin_token": token, "llm": {"enabled": False}})
+        ours["args"].update(
+            {
+                "backend": args.backend,
+                "state_dir": str(state),
+                "admin_token": token,
+                "llm": {"enabled": False},
+            }
+        )
         ours["deployments"][0]["num_replicas"] = args.replicas
     else:
-        base["applications"] = [{
-            "name": "baseline", "route_prefix": "/", "import_path": "loadtest.baselines:build_app",
-            "args": {"kind": config, "backend": args.backend},
-            "deployments": [{"name": DEPLOYMENT, "num_replicas": args.replicas, **limits}]}]
+        base["applications"] = [
+            {
+                "name": "baseline",
+                "route_prefix": "/",
+                "import_path": "loadtest.baselines:build_app",
+                "args": {"kind": config, "backend": args.backend},
+                "deployments": [{"name": DEPLOYMENT, "num_replicas": args.replicas, **limits}],
+            }
+        ]
     path = state / f"{config}.yaml"
     path.write_text(yaml.safe_dump(base))
     return path
 
 
-def measure(target: Target, config: str, users: int, args: argparse.Namespace,
-            out: Path) -> dict[str, Any]:
+def measure(
+    target: Target, config: str, users: int, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
     """Locust's MicroOpUser against `target` with `users` users: the row's measured fields."""
     check = "shape" if config == "echo" else "values"  # an echo answers its input
     options = ["--encoding", args.encoding, "--check", check, "MicroOpUser"]
@@ -142,56 +166,99 @@ def measure(target: Target, config: str, users: int, args: argparse.Namespace,
     after = total_stats(target)
     total = request_stats(*locust_entries(prefix))
     batches, tasks = after["batches"] - before["batches"], after["tasks"] - before["tasks"]
-    return {"config": config, "users": users, "requests": total.requests,
-            "failures": total.failures, "rps": total.rps, "p50_ms": total.p50_ms,
-            "p99_ms": total.p99_ms, "mean_batch_size": tasks / batches if batches else 0.0}
+    return {
+        "config": config,
+        "users": users,
+        "requests": total.requests,
+        "failures": total.failures,
+        "rps": total.rps,
+        "p50_ms": total.p50_ms,
+        "p99_ms": total.p99_ms,
+        "mean_batch_size": tasks / batches if batches else 0.0,
+    }
 
 
 def with_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """`rows` as `Row`s: each with its RPS over serve-batch's at the same user count."""
     batch_rps = {r["users"]: r["rps"] for r in rows if r["config"] == "serve-batch"}
-    return [asdict(Row(**r, ratio_vs_serve_batch=(
-        r["rps"] / batch_rps[r["users"]] if batch_rps.get(r["users"]) else None)))
-            for r in rows]
+    return [
+        asdict(
+            Row(
+                **r,
+                ratio_vs_serve_batch=(
+                    r["rps"] / batch_rps[r["users"]] if batch_rps.get(r["users"]) else None
+                ),
+            )
+        )
+        for r in rows
+    ]
 
 
 def summary(rows: Sequence[dict[str, Any]], users: Sequence[int]) -> dict[str, Any]:
     """Ours at 64 users (else at the first user count): what the issue's targets read."""
     at = SUMMARY_USERS if SUMMARY_USERS in users else users[0]
     ours = next((r for r in rows if r["config"] == "ours" and r["users"] == at), None)
-    return {"users": at, **({key: ours[key] for key in (
-        "rps", "ratio_vs_serve_batch", "p50_ms", "p99_ms", "failures", "mean_batch_size")}
-        if ours else {"rps": None, "ratio_vs_serve_batch": None})}
+    return {
+        "users": at,
+        **(
+            {
+                key: ours[key]
+                for key in (
+                    "rps",
+                    "ratio_vs_serve_batch",
+                    "p50_ms",
+                    "p99_ms",
+                    "failures",
+                    "mean_batch_size",
+                )
+            }
+            if ours
+            else {"rps": None, "ratio_vs_serve_batch": None}
+        ),
+    }
 
 
-def environment(args: argparse.Namespace, ingress: str,
-                backends: dict[str, str]) -> dict[str, Any]:
+def environment(args: argparse.Namespace, ingress: str, backends: dict[str, str]) -> dict[str, Any]:
     """Where the numbers come from: the host, the commit, the software, the options."""
-    return {**host_facts(), "ingress": ingress, "encoding": args.encoding,
-            "replicas": args.replicas, "backends": backends, "duration_s": args.duration,
-            "warmup_s": args.warmup, "locust_processes": args.locust_processes,
-            "ray": importlib.metadata.version("ray"),
-            "orjson": importlib.util.find_spec("orjson") is not None, "gpu": gpu_name()}
+    return {
+        **host_facts(),
+        "ingress": ingress,
+        "encoding": args.encoding,
+        "replicas": args.replicas,
+        "backends": backends,
+        "duration_s": args.duration,
+        "warmup_s": args.warmup,
+        "locust_processes": args.locust_processes,
+        "ray": importlib.metadata.version("ray"),
+        "orjson": importlib.util.find_spec("orjson") is not None,
+        "gpu": gpu_name(),
+    }
 
 
 def gpu_name() -> str | None:
     """The first GPU's name, None without one."""
     import torch  # here: seconds to import, and only the report needs it
+
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def table(rows: Sequence[dict[str, Any]], env: dict[str, Any]) -> str:
     """The report as a markdown table, with where it was measured."""
-    lines = [f"# ours vs Ray Serve baselines ({env['ingress']} ingress, {env['encoding']} "
-             f"tensors, {env['replicas']} replica(s), {env['gpu'] or 'CPU'}, commit "
-             f"{env['commit']})", "",
-             "| config | users | req/s | p50 ms | p99 ms | failures | mean batch | "
-             "vs @serve.batch |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"# ours vs Ray Serve baselines ({env['ingress']} ingress, {env['encoding']} "
+        f"tensors, {env['replicas']} replica(s), {env['gpu'] or 'CPU'}, commit "
+        f"{env['commit']})",
+        "",
+        "| config | users | req/s | p50 ms | p99 ms | failures | mean batch | vs @serve.batch |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         ratio = "" if r["ratio_vs_serve_batch"] is None else f"{r['ratio_vs_serve_batch']:.2f}x"
-        lines.append(f"| {r['config']} | {r['users']} | {r['rps']:.0f} | {r['p50_ms']:.0f} | "
-                     f"{r['p99_ms']:.0f} | {r['failures']} | {r['mean_batch_size']:.1f} | "
-                     f"{ratio} |")
+        lines.append(
+            f"| {r['config']} | {r['users']} | {r['rps']:.0f} | {r['p50_ms']:.0f} | "
+            f"{r['p99_ms']:.0f} | {r['failures']} | {r['mean_batch_size']:.1f} | "
+            f"{ratio} |"
+        )
     return "\n".join(lines) + "\n"
 
 

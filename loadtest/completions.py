@@ -6,6 +6,7 @@ reason of stop or length, no more tokens than max_tokens, usage that adds up, no
 the text; a stream is JSON chunks on `data:` lines, exactly one (the last) with a finish reason,
 then `data: [DONE]`.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-COMPLETION = "completions"                  # Locust entry of non-streaming requests
-STREAM = "completions stream"               # Locust entry of streams, whole-stream time
-TTFT = "completions stream TTFT"            # Locust entry of streams' time to first token
-MEASURES = frozenset({TTFT})                # entries that time part of a request, not a request
+COMPLETION = "completions"  # Locust entry of non-streaming requests
+STREAM = "completions stream"  # Locust entry of streams, whole-stream time
+TTFT = "completions stream TTFT"  # Locust entry of streams' time to first token
+MEASURES = frozenset({TTFT})  # entries that time part of a request, not a request
 PROMPTS = (
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
@@ -28,7 +29,7 @@ PROMPTS = (
     "The quick brown fox",
 )
 STOP = "\n\n"
-MAX_TOKENS, STREAM_FRACTION = 16, 0.5          # defaults of --max-tokens and --stream-fraction
+MAX_TOKENS, STREAM_FRACTION = 16, 0.5  # defaults of --max-tokens and --stream-fraction
 FINISH_REASONS = frozenset({"stop", "length"})
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # the half of the requests that is not greedy
 
@@ -39,26 +40,37 @@ class Generated:
 
     model: str = ""
     completion_tokens: int = 0  # non-streaming answers' usage.completion_tokens
-    stream_tokens: int = 0      # streams' chunks with text
+    stream_tokens: int = 0  # streams' chunks with text
 
     @property
     def tokens(self) -> int:
         return self.completion_tokens + self.stream_tokens
 
 
-def completion_request(model: str, prompt: str, max_tokens: int, stream: bool,
-                       greedy: bool, seed: int) -> dict[str, Any]:
+def completion_request(
+    model: str, prompt: str, max_tokens: int, stream: bool, greedy: bool, seed: int
+) -> dict[str, Any]:
     """A /v1/completions body: greedy (temperature 0) or sampled with `seed`, stopping at STOP."""
     sampling = {"temperature": 0.0} if greedy else {**SAMPLED, "seed": seed}
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stop": [STOP],
-            "stream": stream, **sampling}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stop": [STOP],
+        "stream": stream,
+        **sampling,
+    }
 
 
 def model_id(body: Any) -> str:
     """The first model of a GET /v1/models answer; ValueError saying why there is none."""
     data = body.get("data") if isinstance(body, Mapping) and body.get("object") == "list" else None
-    if not (isinstance(data, list) and data and isinstance(data[0], Mapping)
-            and isinstance(data[0].get("id"), str)):
+    if not (
+        isinstance(data, list)
+        and data
+        and isinstance(data[0], Mapping)
+        and isinstance(data[0].get("id"), str)
+    ):
         raise ValueError(f"no model in {json.dumps(body)[:200]}")
     return data[0]["id"]
 
@@ -96,8 +108,9 @@ def usage_problem(usage: Any, max_tokens: int) -> str | None:
     """What is wrong with a `usage` object: completion_tokens <= max_tokens, total = sum."""
     if not isinstance(usage, Mapping):
         return f"usage {usage!r}"
-    prompt, completion, total = (usage.get(k) for k in
-                                 ("prompt_tokens", "completion_tokens", "total_tokens"))
+    prompt, completion, total = (
+        usage.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    )
     if not all(isinstance(n, int) and n >= 0 for n in (prompt, completion, total)):
         return f"usage {dict(usage)}"
     if completion > max_tokens:
@@ -112,10 +125,10 @@ class CompletionStream:
 
     def __init__(self, model: str, max_tokens: int) -> None:
         self.model, self.max_tokens = model, max_tokens
-        self.tokens = 0                  # chunks whose text is not empty
+        self.tokens = 0  # chunks whose text is not empty
         self.text = ""
-        self.finish: str | None = None   # the finish reason, once a chunk gave one
-        self.done = False                # `data: [DONE]` seen
+        self.finish: str | None = None  # the finish reason, once a chunk gave one
+        self.done = False  # `data: [DONE]` seen
         self.problem: str | None = None  # the first thing found wrong
 
     def feed(self, line: str) -> bool:
@@ -138,8 +151,11 @@ class CompletionStream:
             chunk = json.loads(data)
         except ValueError:
             chunk = None
-        self.problem = (self.chunk_problem(chunk) if isinstance(chunk, dict)
-                        else f"chunk is not a JSON object: {data[:80]!r}")
+        self.problem = (
+            self.chunk_problem(chunk)
+            if isinstance(chunk, dict)
+            else f"chunk is not a JSON object: {data[:80]!r}"
+        )
         if self.problem:
             return False
         choice = chunk["choices"][0]

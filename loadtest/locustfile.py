@@ -20,6 +20,7 @@ model when GET /v1/models fails; unset, that failure stops the run). CompletionU
 --max-tokens (16), --stream-fraction (0.5), --tokens-out (a JSON file for the token counts).
 MicroOpUser's and StormUser's: --encoding (list), --check (values).
 """
+
 from __future__ import annotations
 
 import base64
@@ -38,15 +39,26 @@ from locust.exception import StopUser
 from locust.runners import STATE_CLEANUP, STATE_STOPPED
 from requests import RequestException  # after locust, which must patch ssl first
 
-from loadtest.completions import (COMPLETION, MAX_TOKENS, PROMPTS, STREAM, STREAM_FRACTION, TTFT,
-                                  CompletionStream, Generated, completion_problem,
-                                  completion_request, model_id)
-from loadtest.storm import (EXPRESSIONS, STORM_OP, admin_headers, affine_versions,
-                            ensure_registered)
+from loadtest.completions import (
+    COMPLETION,
+    MAX_TOKENS,
+    PROMPTS,
+    STREAM,
+    STREAM_FRACTION,
+    TTFT,
+    CompletionStream,
+    Generated,
+    completion_problem,
+    completion_request,
+    model_id,
+)
+from loadtest.storm import EXPRESSIONS, STORM_OP, admin_headers, affine_versions, ensure_registered
 
 ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
-    "add": np.add, "mul": np.multiply,
-    "sigmoid": lambda a: 1 / (1 + np.exp(-a)), "tanh": np.tanh,
+    "add": np.add,
+    "mul": np.multiply,
+    "sigmoid": lambda a: 1 / (1 + np.exp(-a)),
+    "tanh": np.tanh,
 }
 ARITY = {"add": 2, "mul": 2, "sigmoid": 1, "tanh": 1}
 RTOL, ATOL = 1e-4, 1e-5
@@ -65,8 +77,11 @@ def tensor(x: np.ndarray, encoding: str = "list") -> dict[str, Any]:
     """The JSON form of a float32 array: flat data and shape, or its bytes in base64."""
     if encoding == "b64":
         raw = x.astype(WIRE["float32"]).tobytes()
-        return {"b64": base64.b64encode(raw).decode("ascii"), "shape": list(x.shape),
-                "dtype": "float32"}
+        return {
+            "b64": base64.b64encode(raw).decode("ascii"),
+            "shape": list(x.shape),
+            "dtype": "float32",
+        }
     return {"data": x.reshape(-1).tolist(), "shape": list(x.shape), "dtype": "float32"}
 
 
@@ -121,11 +136,17 @@ class CheckedUser(FastHttpUser):
         """`mismatch` under this run's --check."""
         return mismatch(body, want, self.check)
 
-    def call(self, op: str, inputs: list[np.ndarray], check: Callable[[dict[str, Any]], str | None],
-             name: str | None = None) -> None:
+    def call(
+        self,
+        op: str,
+        inputs: list[np.ndarray],
+        check: Callable[[dict[str, Any]], str | None],
+        name: str | None = None,
+    ) -> None:
         payload = {"inputs": [tensor(x, self.encoding) for x in inputs]}
-        with self.client.post(f"/v1/ops/{op}", json=payload, name=name or f"/v1/ops/{op}",
-                              catch_response=True) as response:
+        with self.client.post(
+            f"/v1/ops/{op}", json=payload, name=name or f"/v1/ops/{op}", catch_response=True
+        ) as response:
             if problem := status_problem(response):
                 response.failure(problem)
                 return
@@ -147,8 +168,12 @@ class MicroOpUser(CheckedUser):
     def elementwise(self) -> None:
         op = str(rng.choice(list(ELEMENTWISE)))
         xs = [rng.standard_normal(256, dtype=np.float32) for _ in range(ARITY[op])]
-        self.call(op, xs, lambda body: self.mismatch(body, ELEMENTWISE[op](*xs)),
-                  name="/v1/ops/[elementwise]")
+        self.call(
+            op,
+            xs,
+            lambda body: self.mismatch(body, ELEMENTWISE[op](*xs)),
+            name="/v1/ops/[elementwise]",
+        )
 
 
 class StormUser(CheckedUser):
@@ -172,8 +197,12 @@ class StormUser(CheckedUser):
         return self.mismatch(body, x * np.float32(scale) + np.float32(shift))
 
     def learn_versions(self) -> None:
-        with self.client.get(f"/admin/ops/{STORM_OP}", headers=admin_headers(),
-                             name="/admin/ops/[storm]", catch_response=True) as response:
+        with self.client.get(
+            f"/admin/ops/{STORM_OP}",
+            headers=admin_headers(),
+            name="/admin/ops/[storm]",
+            catch_response=True,
+        ) as response:
             if problem := status_problem(response):
                 response.failure(problem)
                 return
@@ -197,15 +226,23 @@ class StormAdmin(FastHttpUser):
         else:
             expression = EXPRESSIONS[self.changes % len(EXPRESSIONS)]
             path, payload = f"/admin/ops/{STORM_OP}/swap", {"expression": expression}
-        with self.client.post(path, json=payload, headers=admin_headers(), catch_response=True,
-                              name=path.replace(STORM_OP, "[storm]")) as response:
+        with self.client.post(
+            path,
+            json=payload,
+            headers=admin_headers(),
+            catch_response=True,
+            name=path.replace(STORM_OP, "[storm]"),
+        ) as response:
             if problem := status_problem(response):
                 response.failure(problem)
                 return
             body = response.json()
             VERSIONS.update(affine_versions(body["op"]["history"]))
-            stale = [r["replica"] for r in body["replicas"]
-                     if r["versions"].get(STORM_OP) != body["version"]]
+            stale = [
+                r["replica"]
+                for r in body["replicas"]
+                if r["versions"].get(STORM_OP) != body["version"]
+            ]
             if stale or body["unreachable"]:
                 response.failure(f"v{body['version']} not applied on {stale + body['unreachable']}")
 
@@ -239,16 +276,25 @@ class CompletionUser(HttpUser):
             return os.environ["GPUOS_LOAD_MODEL"]
         if self.environment.runner.state in (STATE_CLEANUP, STATE_STOPPED):
             raise GreenletExit  # another user stopped the run: end quietly (StopUser logs a trace)
-        logging.error("GET /v1/models failed (%s): is the OpenAI API deployed? $GPUOS_LOAD_MODEL "
-                      "names a model to use anyway. Stopping the run.", problem)
+        logging.error(
+            "GET /v1/models failed (%s): is the OpenAI API deployed? $GPUOS_LOAD_MODEL "
+            "names a model to use anyway. Stopping the run.",
+            problem,
+        )
         self.environment.runner.quit()  # ends this user too
         raise StopUser()
 
     @task
     def complete(self) -> None:
         stream = bool(rng.random() < self.stream_fraction)
-        body = completion_request(self.model, str(rng.choice(PROMPTS)), self.max_tokens, stream,
-                                  greedy=bool(rng.random() < 0.5), seed=int(rng.integers(2**31)))
+        body = completion_request(
+            self.model,
+            str(rng.choice(PROMPTS)),
+            self.max_tokens,
+            stream,
+            greedy=bool(rng.random() < 0.5),
+            seed=int(rng.integers(2**31)),
+        )
         if stream:
             self.post_stream(body)
         else:
@@ -256,8 +302,9 @@ class CompletionUser(HttpUser):
 
     def post(self, body: dict[str, Any]) -> None:
         """A non-streaming completion, checked; its tokens counted when it passes."""
-        with self.client.post("/v1/completions", json=body, name=COMPLETION,
-                              catch_response=True) as response:
+        with self.client.post(
+            "/v1/completions", json=body, name=COMPLETION, catch_response=True
+        ) as response:
             problem = status_problem(response)
             if not problem:
                 try:
@@ -275,8 +322,9 @@ class CompletionUser(HttpUser):
         passes, its time to the first chunk with text is reported as TTFT and its tokens counted."""
         check, first = CompletionStream(self.model, self.max_tokens), None
         start = time.perf_counter()
-        with self.client.post("/v1/completions", json=body, name=STREAM, stream=True,
-                              catch_response=True) as response:
+        with self.client.post(
+            "/v1/completions", json=body, name=STREAM, stream=True, catch_response=True
+        ) as response:
             problem = status_problem(response)
             content_type = response.headers.get("content-type", "")
             if not problem and not content_type.startswith("text/event-stream"):
@@ -294,28 +342,50 @@ class CompletionUser(HttpUser):
                 return
         GENERATED.stream_tokens += check.tokens
         if first is not None:
-            events.request.fire(request_type="POST", name=TTFT, response_length=0, exception=None,
-                                response_time=(first - start) * 1000, context={})
+            events.request.fire(
+                request_type="POST",
+                name=TTFT,
+                response_length=0,
+                exception=None,
+                response_time=(first - start) * 1000,
+                context={},
+            )
 
 
 @events.init_command_line_parser.add_listener
 def completion_options(parser: Any) -> None:
     """CompletionUser's options, given on Locust's command line like its own."""
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
-                        help="CompletionUser's max_tokens")
-    parser.add_argument("--stream-fraction", type=float, default=STREAM_FRACTION,
-                        help="the fraction of CompletionUser's requests that stream")
-    parser.add_argument("--tokens-out", default="",
-                        help="where CompletionUser writes its token counts (JSON) at test stop")
+    parser.add_argument(
+        "--max-tokens", type=int, default=MAX_TOKENS, help="CompletionUser's max_tokens"
+    )
+    parser.add_argument(
+        "--stream-fraction",
+        type=float,
+        default=STREAM_FRACTION,
+        help="the fraction of CompletionUser's requests that stream",
+    )
+    parser.add_argument(
+        "--tokens-out",
+        default="",
+        help="where CompletionUser writes its token counts (JSON) at test stop",
+    )
 
 
 @events.init_command_line_parser.add_listener
 def micro_options(parser: Any) -> None:
     """MicroOpUser's and StormUser's options."""
-    parser.add_argument("--encoding", choices=ENCODINGS, default="list",
-                        help="how operator calls send their tensors: JSON lists or base64 bytes")
-    parser.add_argument("--check", choices=CHECKS, default="values",
-                        help="what operator answers are checked for (shape: for an echo server)")
+    parser.add_argument(
+        "--encoding",
+        choices=ENCODINGS,
+        default="list",
+        help="how operator calls send their tensors: JSON lists or base64 bytes",
+    )
+    parser.add_argument(
+        "--check",
+        choices=CHECKS,
+        default="values",
+        help="what operator answers are checked for (shape: for an echo server)",
+    )
 
 
 @events.test_stop.add_listener

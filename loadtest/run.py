@@ -18,6 +18,7 @@ batch size from /v1/stats; for completions also time to first token and generate
 summary.json (all modes, with on/off ratios) and <scenario>.png (latency percentiles and RPS over
 time; needs matplotlib, the `load` extra). Exits 1 when any request failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,15 @@ from pathlib import Path
 
 import requests
 
-from loadtest.completions import (COMPLETION, MAX_TOKENS, MEASURES, STREAM, STREAM_FRACTION, TTFT,
-                                  Generated)
+from loadtest.completions import (
+    COMPLETION,
+    MAX_TOKENS,
+    MEASURES,
+    STREAM,
+    STREAM_FRACTION,
+    TTFT,
+    Generated,
+)
 from loadtest.launch import INGRESSES, REPO, ingress_env, served
 from loadtest.storm import admin_headers, ensure_registered
 
@@ -67,7 +75,7 @@ class RequestStats:
 
     requests: int
     failures: int
-    rps: float                 # over the whole run's span
+    rps: float  # over the whole run's span
     p50_ms: float
     p95_ms: float
     p99_ms: float
@@ -80,9 +88,9 @@ class GenerationSummary:
     model: str
     max_tokens: int
     stream_fraction: float
-    tokens: int                # usage.completion_tokens of answers, text chunks of streams
+    tokens: int  # usage.completion_tokens of answers, text chunks of streams
     tokens_per_s: float
-    ttft_p50_ms: float         # streams' time to the first chunk with text
+    ttft_p50_ms: float  # streams' time to the first chunk with text
     ttft_p99_ms: float
 
 
@@ -91,17 +99,17 @@ class RunSummary:
     """One Locust run (one scenario, one coalescing mode)."""
 
     scenario: str
-    coalescing: str            # "on" or "off"
+    coalescing: str  # "on" or "off"
     users: int
     duration_s: float
-    requests: int              # all requests; not the entries in MEASURES (parts of requests)
+    requests: int  # all requests; not the entries in MEASURES (parts of requests)
     failures: int
     rps: float
     p50_ms: float
     p95_ms: float
     p99_ms: float
-    mean_batch_size: float     # tasks per runtime submission during the run, all replicas
-    submissions: int           # runtime submissions during the run
+    mean_batch_size: float  # tasks per runtime submission during the run, all replicas
+    submissions: int  # runtime submissions during the run
     per_request: dict[str, RequestStats]  # Locust entry name → its requests
     generation: GenerationSummary | None  # completions only
     csv_prefix: str
@@ -113,24 +121,48 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per mode")
     parser.add_argument("--coalescing", choices=("on", "off", "both"), default="both")
-    parser.add_argument("--warmup", type=float, default=5.0,
-                        help="seconds of unrecorded load before the measured runs")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=5.0,
+        help="seconds of unrecorded load before the measured runs",
+    )
     parser.add_argument("--url", help="an app already running (default: start one)")
-    parser.add_argument("--admin-token", default=os.environ.get("GPUOS_ADMIN_TOKEN"),
-                        help="its admin token (default $GPUOS_ADMIN_TOKEN)")
-    parser.add_argument("--config", type=Path, default=REPO / "deployments" / "llm.yaml",
-                        help="Serve config to start when no --url is given")
+    parser.add_argument(
+        "--admin-token",
+        default=os.environ.get("GPUOS_ADMIN_TOKEN"),
+        help="its admin token (default $GPUOS_ADMIN_TOKEN)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=REPO / "deployments" / "llm.yaml",
+        help="Serve config to start when no --url is given",
+    )
     parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--ingress", choices=INGRESSES, default="proxy",
-                        help="the started app's ingress: Ray Serve's proxy, or HAProxy with "
-                             "throughput-optimized Serve (falls back to the proxy, saying so, "
-                             "where there is no haproxy program)")
-    parser.add_argument("--encoding", choices=("list", "b64"), default="list",
-                        help="micro, swap-storm: how calls send tensors (JSON lists, base64)")
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
-                        help="completions: max_tokens")
-    parser.add_argument("--stream-fraction", type=float, default=STREAM_FRACTION,
-                        help="completions: the fraction of requests that stream")
+    parser.add_argument(
+        "--ingress",
+        choices=INGRESSES,
+        default="proxy",
+        help="the started app's ingress: Ray Serve's proxy, or HAProxy with "
+        "throughput-optimized Serve (falls back to the proxy, saying so, "
+        "where there is no haproxy program)",
+    )
+    parser.add_argument(
+        "--encoding",
+        choices=("list", "b64"),
+        default="list",
+        help="micro, swap-storm: how calls send tensors (JSON lists, base64)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=MAX_TOKENS, help="completions: max_tokens"
+    )
+    parser.add_argument(
+        "--stream-fraction",
+        type=float,
+        default=STREAM_FRACTION,
+        help="completions: the fraction of requests that stream",
+    )
     parser.add_argument("--out", type=Path, help="report folder (default loadtest/results/...)")
     return parser.parse_args(argv)
 
@@ -175,9 +207,15 @@ def target_app(args: argparse.Namespace, out: Path) -> Iterator[Target]:
         return
     token = secrets.token_urlsafe(16)
     ingress, env = ingress_env(args.ingress)
-    with tempfile.TemporaryDirectory(prefix="gpuos-load-") as state, served(
-            args.config, out, {"backend": args.backend, "state_dir": state,
-                               "admin_token": token}, env=env) as app:
+    with (
+        tempfile.TemporaryDirectory(prefix="gpuos-load-") as state,
+        served(
+            args.config,
+            out,
+            {"backend": args.backend, "state_dir": state, "admin_token": token},
+            env=env,
+        ) as app,
+    ):
         yield Target(app.url, token, ingress)
 
 
@@ -201,20 +239,26 @@ def set_coalescing(target: Target, enabled: bool) -> None:
 
 def coalescer_knobs(target: Target) -> dict[str, object]:
     """The coalescer knobs in force (the first replica's: this runner sets all alike)."""
-    response = requests.get(f"{target.url}/admin/replicas",
-                            headers=admin_headers(target.admin_token), timeout=60)
+    response = requests.get(
+        f"{target.url}/admin/replicas", headers=admin_headers(target.admin_token), timeout=60
+    )
     response.raise_for_status()
     return response.json()["replicas"][0]["coalescer"]
 
 
 def put_coalescer(target: Target, knobs: dict[str, object]) -> None:
     """Set `knobs` on every replica; RuntimeError if one did not take them."""
-    response = requests.put(f"{target.url}/admin/coalescer", json=knobs,
-                            headers=admin_headers(target.admin_token), timeout=60)
+    response = requests.put(
+        f"{target.url}/admin/coalescer",
+        json=knobs,
+        headers=admin_headers(target.admin_token),
+        timeout=60,
+    )
     response.raise_for_status()
     body = response.json()
-    if body["unreachable"] or any(r["coalescer"][k] != v for r in body["replicas"]
-                                  for k, v in knobs.items()):
+    if body["unreachable"] or any(
+        r["coalescer"][k] != v for r in body["replicas"] for k, v in knobs.items()
+    ):
         raise RuntimeError(f"coalescer knobs {knobs} not set on every replica: {body}")
 
 
@@ -229,16 +273,39 @@ def run_locust(target: Target, args: argparse.Namespace, prefix: Path, seconds: 
     locust(target, args.users, seconds, prefix, [*options, *SCENARIOS[args.scenario]])
 
 
-def locust(target: Target, users: int, seconds: float, prefix: Path,
-           options: Sequence[str]) -> None:
+def locust(
+    target: Target, users: int, seconds: float, prefix: Path, options: Sequence[str]
+) -> None:
     """Locust headless against `target`: `users` users, all started at once, for `seconds`; its
     CSVs and final JSON at `prefix`. `options` are the locustfile's options and user classes."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-               "-u", str(users), "-r", str(users), "-t", f"{seconds:g}s",
-               "--host", target.url, "--csv", str(prefix), "--csv-full-history",
-               "--json-file", str(prefix) + "_locust",
-               "--only-summary", "--exit-code-on-error", "0", "--loglevel", "WARNING", *options]
+    command = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "-t",
+        f"{seconds:g}s",
+        "--host",
+        target.url,
+        "--csv",
+        str(prefix),
+        "--csv-full-history",
+        "--json-file",
+        str(prefix) + "_locust",
+        "--only-summary",
+        "--exit-code-on-error",
+        "0",
+        "--loglevel",
+        "WARNING",
+        *options,
+    ]
     env = {**os.environ, "GPUOS_ADMIN_TOKEN": target.admin_token}
     subprocess.run(command, check=True, env=env, cwd=REPO)
 
@@ -247,8 +314,14 @@ def completion_options(args: argparse.Namespace, prefix: Path) -> list[str]:
     """The locustfile's CompletionUser options, for scenarios that have it."""
     if "CompletionUser" not in SCENARIOS[args.scenario]:
         return []
-    return ["--max-tokens", str(args.max_tokens), "--stream-fraction", str(args.stream_fraction),
-            "--tokens-out", str(tokens_file(prefix))]
+    return [
+        "--max-tokens",
+        str(args.max_tokens),
+        "--stream-fraction",
+        str(args.stream_fraction),
+        "--tokens-out",
+        str(tokens_file(prefix)),
+    ]
 
 
 def tokens_file(prefix: Path) -> Path:
@@ -256,32 +329,56 @@ def tokens_file(prefix: Path) -> Path:
     return Path(f"{prefix}_tokens_locust.json")
 
 
-def summarize(args: argparse.Namespace, mode: str, prefix: Path, before: dict[str, float],
-              after: dict[str, float]) -> RunSummary:
+def summarize(
+    args: argparse.Namespace,
+    mode: str,
+    prefix: Path,
+    before: dict[str, float],
+    after: dict[str, float],
+) -> RunSummary:
     """The run's totals from Locust's final JSON (its stats CSV is written periodically and can
     miss the last second), the coalescer's counters before and after, and for completions the
     locustfile's token counts."""
     entries, span = locust_entries(prefix)
     total = request_stats([e for e in entries if e["name"] not in MEASURES], span)
-    per_request = {name: request_stats([e for e in entries if e["name"] == name], span)
-                   for name in sorted({e["name"] for e in entries})}
-    generation = (generation_summary(args, prefix, per_request.get(TTFT), span)
-                  if "CompletionUser" in SCENARIOS[args.scenario] else None)
+    per_request = {
+        name: request_stats([e for e in entries if e["name"] == name], span)
+        for name in sorted({e["name"] for e in entries})
+    }
+    generation = (
+        generation_summary(args, prefix, per_request.get(TTFT), span)
+        if "CompletionUser" in SCENARIOS[args.scenario]
+        else None
+    )
     submissions = int(after["batches"] - before["batches"])
     tasks = after["tasks"] - before["tasks"]
     return RunSummary(
-        scenario=args.scenario, coalescing=mode, users=args.users, duration_s=args.duration,
-        requests=total.requests, failures=total.failures, rps=total.rps, p50_ms=total.p50_ms,
-        p95_ms=total.p95_ms, p99_ms=total.p99_ms,
-        mean_batch_size=tasks / submissions if submissions else 0.0, submissions=submissions,
-        per_request=per_request, generation=generation, csv_prefix=str(prefix))
+        scenario=args.scenario,
+        coalescing=mode,
+        users=args.users,
+        duration_s=args.duration,
+        requests=total.requests,
+        failures=total.failures,
+        rps=total.rps,
+        p50_ms=total.p50_ms,
+        p95_ms=total.p95_ms,
+        p99_ms=total.p99_ms,
+        mean_batch_size=tasks / submissions if submissions else 0.0,
+        submissions=submissions,
+        per_request=per_request,
+        generation=generation,
+        csv_prefix=str(prefix),
+    )
 
 
 def locust_entries(prefix: Path) -> tuple[list[dict], float]:
     """The entries of Locust's final JSON of the run at `prefix`, and the seconds they span."""
     entries = json.loads(Path(f"{prefix}_locust.json").read_text())
-    span = (max(e["last_request_timestamp"] for e in entries)
-            - min(e["start_time"] for e in entries)) if entries else 0.0
+    span = (
+        (max(e["last_request_timestamp"] for e in entries) - min(e["start_time"] for e in entries))
+        if entries
+        else 0.0
+    )
     return entries, span
 
 
@@ -289,20 +386,31 @@ def request_stats(entries: Sequence[dict], span: float) -> RequestStats:
     """Counts and percentiles of Locust's final JSON `entries`, merged; RPS over `span` seconds."""
     count = sum(e["num_requests"] for e in entries)
     times = merged_response_times(entries)
-    return RequestStats(requests=count, failures=sum(e["num_failures"] for e in entries),
-                        rps=count / span if span else 0.0, p50_ms=percentile(times, 0.50),
-                        p95_ms=percentile(times, 0.95), p99_ms=percentile(times, 0.99))
+    return RequestStats(
+        requests=count,
+        failures=sum(e["num_failures"] for e in entries),
+        rps=count / span if span else 0.0,
+        p50_ms=percentile(times, 0.50),
+        p95_ms=percentile(times, 0.95),
+        p99_ms=percentile(times, 0.99),
+    )
 
 
-def generation_summary(args: argparse.Namespace, prefix: Path, ttft: RequestStats | None,
-                       span: float) -> GenerationSummary:
+def generation_summary(
+    args: argparse.Namespace, prefix: Path, ttft: RequestStats | None, span: float
+) -> GenerationSummary:
     """Tokens/s over `span` from the locustfile's counts; TTFT percentiles of its entry (zeros
     when no stream passed)."""
     generated = Generated(**json.loads(tokens_file(prefix).read_text()))
     return GenerationSummary(
-        model=generated.model, max_tokens=args.max_tokens, stream_fraction=args.stream_fraction,
-        tokens=generated.tokens, tokens_per_s=generated.tokens / span if span else 0.0,
-        ttft_p50_ms=ttft.p50_ms if ttft else 0.0, ttft_p99_ms=ttft.p99_ms if ttft else 0.0)
+        model=generated.model,
+        max_tokens=args.max_tokens,
+        stream_fraction=args.stream_fraction,
+        tokens=generated.tokens,
+        tokens_per_s=generated.tokens / span if span else 0.0,
+        ttft_p50_ms=ttft.p50_ms if ttft else 0.0,
+        ttft_p99_ms=ttft.p99_ms if ttft else 0.0,
+    )
 
 
 def merged_response_times(entries: Sequence[dict]) -> dict[float, int]:
@@ -330,8 +438,10 @@ def ratios(runs: Sequence[RunSummary]) -> dict[str, float]:
     if {"on", "off"} - set(by_mode):
         return {}
     on, off = by_mode["on"], by_mode["off"]
-    ratio = {"rps_on_over_off": on.rps / off.rps if off.rps else 0.0,
-             "p99_on_over_off": on.p99_ms / off.p99_ms if off.p99_ms else 0.0}
+    ratio = {
+        "rps_on_over_off": on.rps / off.rps if off.rps else 0.0,
+        "p99_on_over_off": on.p99_ms / off.p99_ms if off.p99_ms else 0.0,
+    }
     if on.generation and off.generation:
         on_tps, off_tps = on.generation.tokens_per_s, off.generation.tokens_per_s
         ratio["tokens_per_s_on_over_off"] = on_tps / off_tps if off_tps else 0.0
@@ -347,11 +457,18 @@ def describe(target: Target) -> dict[str, object]:
 def host_facts() -> dict[str, object]:
     """The host, its CPUs, the commit and the time."""
     # $GPUOS_COMMIT first: a copied working tree (the GPU host) may carry a stale .git.
-    commit = os.environ.get("GPUOS_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-        capture_output=True).stdout.strip()
-    return {"host": platform.node(), "cpus": os.cpu_count(), "commit": commit,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    commit = (
+        os.environ.get("GPUOS_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True, capture_output=True
+        ).stdout.strip()
+    )
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "commit": commit,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
 def plot(runs: Sequence[RunSummary], path: Path) -> None:
@@ -359,6 +476,7 @@ def plot(runs: Sequence[RunSummary], path: Path) -> None:
     time, one color per mode (skipped without matplotlib)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -371,12 +489,22 @@ def plot(runs: Sequence[RunSummary], path: Path) -> None:
         for row, lat in zip(rows, latencies):
             t, series = history(Path(f"{run.csv_prefix}_stats_history.csv"), row)
             for pct, style in (("50%", ":"), ("95%", "--"), ("99%", "-")):
-                lat.plot(t, series[pct], style, color=color,
-                         label=f"coalescing {run.coalescing} p{pct[:-1]}")
+                lat.plot(
+                    t,
+                    series[pct],
+                    style,
+                    color=color,
+                    label=f"coalescing {run.coalescing} p{pct[:-1]}",
+                )
             if row not in MEASURES:  # a TTFT is not a request
                 label = f"coalescing {run.coalescing}" + ("" if len(rows) == 1 else f" {row}")
-                rps.plot(t, series["Requests/s"], ("-", "--", "-.")[rows.index(row)], color=color,
-                         label=label)
+                rps.plot(
+                    t,
+                    series["Requests/s"],
+                    ("-", "--", "-.")[rows.index(row)],
+                    color=color,
+                    label=label,
+                )
     for row, lat in zip(rows, latencies):
         lat.set_ylabel("latency (ms)" if row == "Aggregated" else f"{row} (ms)")
         lat.legend(fontsize="small")
@@ -397,8 +525,10 @@ def history(path: Path, name: str = "Aggregated") -> tuple[list[float], dict[str
     start = float(rows[0]["Timestamp"]) if rows else 0.0
     rows = [r for r in rows if r["Name"] == name]
     keys = ("50%", "95%", "99%", "Requests/s")
-    return ([float(r["Timestamp"]) - start for r in rows],
-            {k: [float(r[k]) for r in rows] for k in keys})
+    return (
+        [float(r["Timestamp"]) - start for r in rows],
+        {k: [float(r[k]) for r in rows] for k in keys},
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The swap storm's operator: affine versions `A * scale ± shift`, so that any answer can be
 checked against the version it reports. Plain `requests`, no Locust: loadtest/run.py registers the
 operator before Locust starts, so registration does not eat into the measured time."""
+
 from __future__ import annotations
 
 import os
@@ -35,11 +36,16 @@ def affine_versions(history: Iterable[Mapping[str, Any]]) -> dict[int, tuple[flo
 def ensure_registered(url: str, token: str | None = None) -> dict[int, tuple[float, float]]:
     """Register the storm operator unless it exists; its versions so far."""
     headers = admin_headers(token)
-    response = requests.post(f"{url}/admin/ops", headers=headers, timeout=120,
-                             json={"name": STORM_OP, "expression": FIRST})
+    response = requests.post(
+        f"{url}/admin/ops",
+        headers=headers,
+        timeout=120,
+        json={"name": STORM_OP, "expression": FIRST},
+    )
     if response.status_code not in (201, 409):  # 409: it exists already
-        raise RuntimeError(f"cannot register {STORM_OP}: HTTP {response.status_code} "
-                           f"{response.text[:300]}")
+        raise RuntimeError(
+            f"cannot register {STORM_OP}: HTTP {response.status_code} {response.text[:300]}"
+        )
     op = requests.get(f"{url}/admin/ops/{STORM_OP}", headers=headers, timeout=60)
     op.raise_for_status()
     return affine_versions(op.json()["history"])

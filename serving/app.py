@@ -6,6 +6,7 @@ services of the replica they use. The methods below the routes are called throug
 DeploymentHandle: `broadcast` reaches every replica (registry pushes, coalescer knobs,
 statistics, reports).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,25 +50,42 @@ class GpuosReplica:
         self.replica_id = context.replica_id.unique_id
         self._peers: DeploymentHandle | None = None  # handle to this deployment, made on first use
         self._deployment = (context.deployment, context.app_name)
-        self.runtime = Runtime(config=RuntimeConfig(backend=args.backend,
-                                                    allow_raw_cuda=args.allow_raw_cuda))
+        self.runtime = Runtime(
+            config=RuntimeConfig(backend=args.backend, allow_raw_cuda=args.allow_raw_cuda)
+        )
         self.metrics = ReplicaMetrics()
         self.coalescer = Coalescer(self.runtime, CoalescerConfig(), self.metrics)
         self.admin_token = args.resolved_admin_token()
         self.registry = ReplicaRegistry(self.runtime, RegistryStore(args.resolved_state_dir()))
         applied = self.registry.catch_up()  # a broken state file fails the replica's start
         self.watch = SwapWatch(self.registry, args.watch_s, self.change, self.metrics.auto_rollback)
-        self.llm = (LlmService(args.llm, self.runtime, args.resolved_state_dir())
-                    if args.llm.enabled else None)
-        log.info("replica %s: %s; registry %s at seq %d", self.replica_id,
-                 self.runtime.backend_reason, self.registry.store.path, applied.seq)
+        self.llm = (
+            LlmService(args.llm, self.runtime, args.resolved_state_dir())
+            if args.llm.enabled
+            else None
+        )
+        log.info(
+            "replica %s: %s; registry %s at seq %d",
+            self.replica_id,
+            self.runtime.backend_reason,
+            self.registry.store.path,
+            applied.seq,
+        )
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         services = Services(
-            args=self.args, replica_id=self.replica_id, admin_token=self.admin_token,
-            runtime=self.runtime, coalescer=self.coalescer, registry=self.registry,
-            watch=self.watch, metrics=self.metrics, readiness=self.readiness, change=self.change,
-            broadcast=self.broadcast)
+            args=self.args,
+            replica_id=self.replica_id,
+            admin_token=self.admin_token,
+            runtime=self.runtime,
+            coalescer=self.coalescer,
+            registry=self.registry,
+            watch=self.watch,
+            metrics=self.metrics,
+            readiness=self.readiness,
+            change=self.change,
+            broadcast=self.broadcast,
+        )
         completions = CompletionServices(self.llm, self.metrics.llm, self.watch)
         return build_api(services, [completion_routes(completions, JsonRoute)])
 
@@ -97,8 +115,9 @@ class GpuosReplica:
         try:
             await asyncio.to_thread(self.registry.apply, state)
         except RegistryDivergedError as exc:
-            log.error("replica %s cannot apply registry seq %d: %s", self.replica_id, state.seq,
-                      exc)
+            log.error(
+                "replica %s cannot apply registry seq %d: %s", self.replica_id, state.seq, exc
+            )
         return self.report()
 
     async def apply_coalescer(self, config: CoalescerConfig) -> ReplicaReport:
@@ -108,9 +127,13 @@ class GpuosReplica:
 
     def report(self) -> ReplicaReport:
         table = self.runtime.table
-        return ReplicaReport(replica=self.replica_id, registry_seq=self.registry.applied.seq,
-                             versions={n: table.current(n).version for n in sorted(table.names())},
-                             diverged=self.registry.diverged, coalescer=self.coalescer.config)
+        return ReplicaReport(
+            replica=self.replica_id,
+            registry_seq=self.registry.applied.seq,
+            versions={n: table.current(n).version for n in sorted(table.names())},
+            diverged=self.registry.diverged,
+            coalescer=self.coalescer.config,
+        )
 
     def local_metrics(self) -> tuple[str, list[Metric]]:
         """This replica's id and metric families now (GET /metrics merges every replica's)."""
@@ -122,28 +145,43 @@ class GpuosReplica:
     def local_stats(self) -> ReplicaStats:
         s = self.coalescer.stats
         llm = {f"llm_{k}": v for k, v in self.llm.engine.stats().items()} if self.llm else {}
-        return ReplicaStats(replica=self.replica_id, requests=s.requests, batches=s.batches,
-                            tasks=s.tasks, mean_batch_size=s.mean_batch_size,
-                            max_batch_seen=s.max_batch_seen, rejected=s.rejected,
-                            expired=s.expired, queue_depth=self.coalescer.queue_depth,
-                            sizes=dict(s.sizes), config=self.coalescer.config, **llm)
+        return ReplicaStats(
+            replica=self.replica_id,
+            requests=s.requests,
+            batches=s.batches,
+            tasks=s.tasks,
+            mean_batch_size=s.mean_batch_size,
+            max_batch_seen=s.max_batch_seen,
+            rejected=s.rejected,
+            expired=s.expired,
+            queue_depth=self.coalescer.queue_depth,
+            sizes=dict(s.sizes),
+            config=self.coalescer.config,
+            **llm,
+        )
 
     # -- helpers for the routes ------------------------------------------------------------------
     def readiness(self) -> ReadyResponse:
         """Ready unless the backend stalled or the registry could not be applied."""
         reason = self.runtime.broken or self.registry.diverged
-        return ReadyResponse(ready=reason is None, replica=self.replica_id,
-                             registry_seq=self.registry.applied.seq, reason=reason)
+        return ReadyResponse(
+            ready=reason is None,
+            replica=self.replica_id,
+            registry_seq=self.registry.applied.seq,
+            reason=reason,
+        )
 
-    async def change(self, note: ChangeNote, apply: Callable[[Runtime], T]
-                     ) -> tuple[T, ChangeResponse]:
+    async def change(
+        self, note: ChangeNote, apply: Callable[[Runtime], T]
+    ) -> tuple[T, ChangeResponse]:
         """Make the change `note` describes with `apply` here (compiles off the event loop), store
         it, push it to every replica. Shielded: a client that hangs up must not stop the push of
         a change already stored."""
         return await asyncio.shield(self._change_everywhere(note, apply))
 
-    async def _change_everywhere(self, note: ChangeNote, apply: Callable[[Runtime], T]
-                                 ) -> tuple[T, ChangeResponse]:
+    async def _change_everywhere(
+        self, note: ChangeNote, apply: Callable[[Runtime], T]
+    ) -> tuple[T, ChangeResponse]:
         try:
             made, state = await asyncio.to_thread(self.registry.change, apply, note)
         except Exception:
@@ -152,16 +190,21 @@ class GpuosReplica:
         self.metrics.changed(note.action, True)
         reports, unreachable = await self.broadcast("apply_registry", state)
         return made, ChangeResponse(
-            action=note.action, op=admin_op(self.runtime.table, note.op, state.log),
-            version=state.log[-1].version, registry_seq=state.seq, replicas=reports,
-            unreachable=unreachable)
+            action=note.action,
+            op=admin_op(self.runtime.table, note.op, state.log),
+            version=state.log[-1].version,
+            registry_seq=state.seq,
+            replicas=reports,
+            unreachable=unreachable,
+        )
 
     async def broadcast(self, method: str, *args: Any) -> tuple[list[Any], list[str]]:
         """Call `method` on every replica of this deployment: (results, failures as text)."""
         if self._peers is None:  # made lazily: the first broadcast comes after start-up
             self._peers = serve.get_deployment_handle(*self._deployment)
         results = await self._peers.broadcast(method, *args).results_async(
-            timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True)
+            timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True
+        )
         failed = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
         return [r for r in results if not isinstance(r, BaseException)], failed
 

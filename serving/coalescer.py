@@ -10,6 +10,7 @@ request its own result, or its own error, when the batch completes. Everything r
 loop, so the queue needs no lock. A full queue refuses the call (QueueFullError), a request not
 answered within `deadline_ms` gets DeadlineExceededError, and every accepted call is answered.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +35,7 @@ class Completed(NamedTuple):
     """One request's answer."""
 
     out: torch.Tensor  # the task's output
-    version: int       # operator version that computed it (resolved at submit)
+    version: int  # operator version that computed it (resolved at submit)
 
 
 class FlushObserver(Protocol):
@@ -49,12 +50,12 @@ class FlushObserver(Protocol):
 class CoalescerStats:
     """Counters since start (monotonic, so a reader can take differences between two reads)."""
 
-    requests: int = 0     # calls accepted into the queue
-    batches: int = 0      # runtime submissions made
-    tasks: int = 0        # tasks in those submissions
+    requests: int = 0  # calls accepted into the queue
+    batches: int = 0  # runtime submissions made
+    tasks: int = 0  # tasks in those submissions
     max_batch_seen: int = 0
-    rejected: int = 0     # calls refused because the queue was full
-    expired: int = 0      # calls that passed their deadline
+    rejected: int = 0  # calls refused because the queue was full
+    expired: int = 0  # calls that passed their deadline
     sizes: dict[int, int] = field(default_factory=dict)  # batch size → submissions of that size
 
     @property
@@ -82,8 +83,12 @@ class Coalescer:
     """Queues prepared tasks from concurrent requests and submits them in batches. Use from one
     event loop (the replica's); `reconfigure` takes effect for the next flush."""
 
-    def __init__(self, runtime: Runtime, config: CoalescerConfig | None = None,
-                 observer: FlushObserver | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        config: CoalescerConfig | None = None,
+        observer: FlushObserver | None = None,
+    ) -> None:
         self.runtime = runtime
         self.config = config or CoalescerConfig()
         self.stats = CoalescerStats()
@@ -109,8 +114,10 @@ class Coalescer:
         """`submit` for a task the caller prepared with this coalescer's runtime."""
         if len(self._queue) >= self.config.max_queue:
             self.stats.rejected += 1
-            raise QueueFullError(f"{len(self._queue)} tasks are waiting (max_queue "
-                                 f"{self.config.max_queue}); retry shortly")
+            raise QueueFullError(
+                f"{len(self._queue)} tasks are waiting (max_queue "
+                f"{self.config.max_queue}); retry shortly"
+            )
         future: asyncio.Future[Completed] = asyncio.get_running_loop().create_future()
         self._queue.append(_Waiting(task, future, time.perf_counter()))
         self.stats.requests += 1

@@ -15,6 +15,7 @@ so the official client raises its usual exceptions (BadRequestError, NotFoundErr
 message. A request whose logits turned NaN or infinite ends with NonFiniteLogitsError and tells the
 swap watch, which rolls back an operator swapped just before.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -74,14 +75,27 @@ class LlmService:
         self.tokenizer = load_tokenizer(path)
         self.chat_template = load_chat_template(path)
         self.defaults = load_generation_config(path).defaults()  # sampling defaults of the model
-        self.engine = Engine(self.model, self.tokenizer, runtime, EngineConfig(
-            max_running=args.max_running, max_len=args.max_len, max_waiting=args.max_waiting,
-            max_step_tokens=args.max_step_tokens, micro_ops=args.micro_ops))
+        self.engine = Engine(
+            self.model,
+            self.tokenizer,
+            runtime,
+            EngineConfig(
+                max_running=args.max_running,
+                max_len=args.max_len,
+                max_waiting=args.max_waiting,
+                max_step_tokens=args.max_step_tokens,
+                micro_ops=args.micro_ops,
+            ),
+        )
         self.created = int(time.time())
         self._scoring = threading.Lock()  # one prompt-scoring forward at a time (its memory)
-        log.info("serving model %r from %s (%s; chat template: %s)", self.model_id, path,
-                 self.model.config.model_type or self.model.config.family,
-                 "yes" if self.chat_template else "no")
+        log.info(
+            "serving model %r from %s (%s; chat template: %s)",
+            self.model_id,
+            path,
+            self.model.config.model_type or self.model.config.family,
+            "yes" if self.chat_template else "no",
+        )
 
     @staticmethod
     def _tiny(args: LlmArgs, state_dir: Path) -> Path:
@@ -104,11 +118,13 @@ class LlmService:
         if not prompt:
             raise PromptTooLongError("the prompt is empty: send at least one token")
         if bad := [t for t in prompt if not 0 <= t < vocab]:
-            raise PromptTooLongError(f"token ids {bad[:5]} are outside the vocabulary "
-                                     f"(0..{vocab - 1})")
+            raise PromptTooLongError(
+                f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})"
+            )
         if len(prompt) > limit:
-            raise PromptTooLongError(f"the prompt has {len(prompt)} tokens; the model has "
-                                     f"{limit} positions")
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt)} tokens; the model has {limit} positions"
+            )
 
     def score_prompt(self, prompt: list[int], top: int) -> list[_Scored]:
         """Log-probabilities of prompt tokens 1.. given the ones before (and the `top` likeliest
@@ -190,16 +206,28 @@ class _Sampled(BaseModel):
     def refuse(self, defaults: dict[str, Any]) -> None:
         """UnsupportedParameterError for the first parameter set to something not implemented
         (`defaults`: name -> the only value accepted, besides null)."""
-        for name, default in {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                              "logit_bias": None, **defaults}.items():
+        for name, default in {
+            "n": 1,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "logit_bias": None,
+            **defaults,
+        }.items():
             value = getattr(self, name)
             if value not in (default, None):
                 raise UnsupportedParameterError(
-                    f"{name}={value!r} is not supported by this server; leave it out", name)
+                    f"{name}={value!r} is not supported by this server; leave it out", name
+                )
 
     def sampling(self, max_tokens: int | None, defaults: dict[str, Any]) -> SamplingParams:
-        given = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                 "top_k": self.top_k, "seed": self.seed, "stop": self.stop}
+        given = {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+        }
         return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
 
     @property
@@ -212,8 +240,11 @@ class CompletionRequest(_Sampled):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, description="0 with `echo`: score the prompt only")
-    logprobs: int | None = Field(None, description=f"0..{MAX_LOGPROBS}: the chosen tokens' "
-                                 "log-probabilities and this many likeliest alternatives")
+    logprobs: int | None = Field(
+        None,
+        description=f"0..{MAX_LOGPROBS}: the chosen tokens' "
+        "log-probabilities and this many likeliest alternatives",
+    )
     echo: bool | None = False
     # Not implemented; refused unless left at OpenAI's default.
     best_of: int | None = None
@@ -223,14 +254,19 @@ class CompletionRequest(_Sampled):
         """UnsupportedParameterError for the first parameter set to something not implemented."""
         self.refuse({"best_of": 1, "suffix": None})
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise UnsupportedParameterError(f"logprobs must be 0..{MAX_LOGPROBS}, got "
-                                            f"{self.logprobs}", "logprobs")
+            raise UnsupportedParameterError(
+                f"logprobs must be 0..{MAX_LOGPROBS}, got {self.logprobs}", "logprobs"
+            )
 
 
 # Objects of parameters that are refused unless absent (tools, ...): documented as flat objects,
 # so that schema-driven clients and fuzzers do not build arbitrarily deep ones.
-Refused = Annotated[dict[str, Any], WithJsonSchema({
-    "type": "object", "additionalProperties": {"type": ["string", "number", "boolean"]}})]
+Refused = Annotated[
+    dict[str, Any],
+    WithJsonSchema(
+        {"type": "object", "additionalProperties": {"type": ["string", "number", "boolean"]}}
+    ),
+]
 
 
 class ContentPart(BaseModel):
@@ -270,17 +306,18 @@ class ChatCompletionRequest(_Sampled):
     def unsupported(self) -> None:
         self.refuse({"tools": None, "tool_choice": "none", "parallel_tool_calls": None})
         if self.response_format not in (None, {"type": "text"}):
-            raise UnsupportedParameterError("response_format other than text is not supported",
-                                            "response_format")
+            raise UnsupportedParameterError(
+                "response_format other than text is not supported", "response_format"
+            )
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise UnsupportedParameterError(f"top_logprobs must be 0..{MAX_LOGPROBS}, got "
-                                            f"{self.top_logprobs}", "top_logprobs")
+            raise UnsupportedParameterError(
+                f"top_logprobs must be 0..{MAX_LOGPROBS}, got {self.top_logprobs}", "top_logprobs"
+            )
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedParameterError("top_logprobs needs logprobs: true", "top_logprobs")
 
 
-def _prompts(prompt: Any, encode: Callable[[str], list[int]]
-             ) -> list[tuple[list[int], str | None]]:
+def _prompts(prompt: Any, encode: Callable[[str], list[int]]) -> list[tuple[list[int], str | None]]:
     """Token ids of every prompt (a string, strings, a token list, or token lists), each with its
     text when it was given as text."""
     prompts: list[tuple[list[int], str | None]]
@@ -291,8 +328,9 @@ def _prompts(prompt: Any, encode: Callable[[str], list[int]]
     else:
         prompts = [(encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompt]
     if not 1 <= len(prompts) <= MAX_PROMPTS:
-        raise UnsupportedParameterError(f"send 1 to {MAX_PROMPTS} prompts, got {len(prompts)}",
-                                        "prompt")
+        raise UnsupportedParameterError(
+            f"send 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt"
+        )
     return prompts
 
 
@@ -302,8 +340,8 @@ class CompletionServices:
     """What the completion routes use of a replica."""
 
     llm: LlmService | None  # None: the deployment serves no model
-    metrics: LlmMetrics     # vLLM-named metrics of finished requests
-    watch: SwapWatch        # told about non-finite logits (a swapped operator may be the cause)
+    metrics: LlmMetrics  # vLLM-named metrics of finished requests
+    watch: SwapWatch  # told about non-finite logits (a swapped operator may be the cause)
 
 
 def completion_routes(replica: CompletionServices, route_class: type[APIRoute]) -> APIRouter:
@@ -321,9 +359,13 @@ def completion_routes(replica: CompletionServices, route_class: type[APIRoute]) 
         _check_model(llm, model_id)
         return _model_card(llm)
 
-    answers = {200: {"description": "the completion, or Server-Sent Events when `stream` is true",
-                     "content": {"application/json": {}, "text/event-stream": {}}},
-               **error_responses(400, 404, 413, 500, 503, openai=True)}
+    answers = {
+        200: {
+            "description": "the completion, or Server-Sent Events when `stream` is true",
+            "content": {"application/json": {}, "text/event-stream": {}},
+        },
+        **error_responses(400, 404, 413, 500, 503, openai=True),
+    }
 
     @router.post("/completions", response_model=None, responses=answers)
     async def completions(body: CompletionRequest) -> Response:
@@ -340,8 +382,13 @@ def completion_routes(replica: CompletionServices, route_class: type[APIRoute]) 
 
 
 def _model_card(llm: LlmService) -> dict[str, Any]:
-    return {"id": llm.model_id, "object": "model", "created": llm.created,
-            "owned_by": "gpuos-serve", "max_model_len": llm.engine.max_len}
+    return {
+        "id": llm.model_id,
+        "object": "model",
+        "created": llm.created,
+        "owned_by": "gpuos-serve",
+        "max_model_len": llm.engine.max_len,
+    }
 
 
 def _service(replica: CompletionServices) -> LlmService:
@@ -352,8 +399,9 @@ def _service(replica: CompletionServices) -> LlmService:
 
 def _check_model(llm: LlmService, model: str) -> None:
     if model != llm.model_id:
-        raise ModelNotFoundError(f"model {model!r} is not served here; GET /v1/models lists "
-                                 f"{llm.model_id!r}")
+        raise ModelNotFoundError(
+            f"model {model!r} is not served here; GET /v1/models lists {llm.model_id!r}"
+        )
 
 
 def _respond(body: _Sampled, chunks: AsyncIterator[str], whole: Any) -> Response:
@@ -381,24 +429,36 @@ class _TextLogprobs:
         if scored is not None:
             top = {self.text(i): lp for i, lp in scored.top}
             top.setdefault(text, scored.logprob)  # the chosen token is always listed (as vLLM)
-        part = {"tokens": [text], "token_logprobs": [scored.logprob if scored else None],
-                "top_logprobs": [top], "text_offset": [self.offset]}
+        part = {
+            "tokens": [text],
+            "token_logprobs": [scored.logprob if scored else None],
+            "top_logprobs": [top],
+            "text_offset": [self.offset],
+        }
         for name, values in part.items():
             getattr(self, name).extend(values)
         self.offset += len(text)
         return part
 
     def extend(self, scored: Iterable[_Scored]) -> dict[str, Any]:
-        parts: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                       "text_offset": []}
+        parts: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
         for s in scored:
             for name, values in self.add(s.token, s).items():
                 parts[name].extend(values)
         return parts
 
     def whole(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
-                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
 
 
 @dataclass
@@ -410,7 +470,7 @@ class _Choice:
     echo_logprobs: dict[str, Any] | None = None
     logprobs: _TextLogprobs | None = None
     stream: _Stream | None = None
-    sent: int = 0               # generated tokens whose logprobs went out
+    sent: int = 0  # generated tokens whose logprobs went out
 
 
 async def _complete(replica: CompletionServices, body: CompletionRequest) -> Response:
@@ -435,8 +495,12 @@ async def _complete(replica: CompletionServices, body: CompletionRequest) -> Res
             first = choice.logprobs.add(choice.prompt[0], None)
             rest = choice.logprobs.extend(scored)
             choice.echo_logprobs = {k: first[k] + rest[k] for k in first}
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": llm.model_id}
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": llm.model_id,
+    }
     if params is None:
         return _echo_only(body, head, choices)
     loop, keep = asyncio.get_running_loop(), body.logprobs is not None
@@ -455,8 +519,12 @@ async def _complete(replica: CompletionServices, body: CompletionRequest) -> Res
             logprobs = _new_logprobs(c, delta, top)
             if first and c.echo_logprobs is not None:
                 logprobs = {k: c.echo_logprobs[k] + logprobs[k] for k in logprobs}
-        return {"text": text, "index": index, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason}
+        return {
+            "text": text,
+            "index": index,
+            "logprobs": logprobs,
+            "finish_reason": delta.finish_reason,
+        }
 
     if body.stream:
         return _respond(body, _sse(head, streams, body.include_usage, done, chunk), None)
@@ -466,9 +534,14 @@ async def _complete(replica: CompletionServices, body: CompletionRequest) -> Res
         c = choices[i]
         if c.logprobs is not None:
             _new_logprobs(c, last, top)
-        out.append({"text": c.echo + text, "index": i,
-                    "logprobs": c.logprobs.whole() if c.logprobs is not None else None,
-                    "finish_reason": last.finish_reason})
+        out.append(
+            {
+                "text": c.echo + text,
+                "index": i,
+                "logprobs": c.logprobs.whole() if c.logprobs is not None else None,
+                "finish_reason": last.finish_reason,
+            }
+        )
     return JSONResponse({**head, "choices": out, "usage": _usage([last for _, last in finals])})
 
 
@@ -476,16 +549,17 @@ def _new_logprobs(c: _Choice, delta: Delta, top: int) -> dict[str, Any]:
     """The logprobs of the generated tokens up to `delta`'s that were not sent yet."""
     assert c.stream is not None and c.stream.logits is not None and c.logprobs is not None
     upto = delta.completion_tokens
-    rows, ids = c.stream.logits[c.sent:upto], c.stream.tokens[c.sent:upto]
+    rows, ids = c.stream.logits[c.sent : upto], c.stream.tokens[c.sent : upto]
     c.sent = max(c.sent, upto)
     return c.logprobs.extend(score(torch.stack(rows), ids, top) if rows else [])
 
 
-def _echo_only(body: CompletionRequest, head: dict[str, Any], choices: list[_Choice]
-               ) -> Response:
+def _echo_only(body: CompletionRequest, head: dict[str, Any], choices: list[_Choice]) -> Response:
     """max_tokens 0 with echo: the prompts (and their logprobs), nothing generated."""
-    out = [{"text": c.echo, "index": i, "logprobs": c.echo_logprobs, "finish_reason": "length"}
-           for i, c in enumerate(choices)]
+    out = [
+        {"text": c.echo, "index": i, "logprobs": c.echo_logprobs, "finish_reason": "length"}
+        for i, c in enumerate(choices)
+    ]
     prompt_tokens = sum(len(c.prompt) for c in choices)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
 
@@ -505,12 +579,21 @@ async def _chat(replica: CompletionServices, body: ChatCompletionRequest) -> Res
     _check_model(llm, body.model)
     body.unsupported()
     if llm.chat_template is None:
-        raise UnsupportedParameterError(f"model {llm.model_id!r} has no chat template (no "
-                                        "chat_template in its tokenizer_config.json, nor a "
-                                        "chat_template.jinja): use /v1/completions", "messages")
-    messages = [{**m.model_dump(exclude_none=True), "content": message_text(
-        [p.model_dump() for p in m.content] if isinstance(m.content, list) else m.content)}
-        for m in body.messages]
+        raise UnsupportedParameterError(
+            f"model {llm.model_id!r} has no chat template (no "
+            "chat_template in its tokenizer_config.json, nor a "
+            "chat_template.jinja): use /v1/completions",
+            "messages",
+        )
+    messages = [
+        {
+            **m.model_dump(exclude_none=True),
+            "content": message_text(
+                [p.model_dump() for p in m.content] if isinstance(m.content, list) else m.content
+            ),
+        }
+        for m in body.messages
+    ]
     try:
         text = llm.chat_template.render(messages, add_generation_prompt=True)
     except ChatTemplateError as exc:
@@ -524,8 +607,11 @@ async def _chat(replica: CompletionServices, body: ChatCompletionRequest) -> Res
     top = body.top_logprobs or 0
     started = time.perf_counter()
     stream = llm.engine.submit(prompt, params, asyncio.get_running_loop(), keep_logits=keep)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": llm.model_id}
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": llm.model_id,
+    }
     done = _Reporter(replica, llm.model_id, started)
     sent = 0
 
@@ -539,31 +625,49 @@ async def _chat(replica: CompletionServices, body: ChatCompletionRequest) -> Res
         return {"content": [_chat_logprob(llm, s) for s in scored]}
 
     if body.stream:
+
         def chunk(index: int, delta: Delta, first: bool) -> dict[str, Any]:
-            message = {"role": "assistant", "content": delta.text} if first else (
-                {"content": delta.text} if delta.text or delta.finish_reason is None else {})
-            return {"index": index, "delta": message,
-                    "logprobs": logprobs(delta.completion_tokens),
-                    "finish_reason": delta.finish_reason}
+            message = (
+                {"role": "assistant", "content": delta.text}
+                if first
+                else ({"content": delta.text} if delta.text or delta.finish_reason is None else {})
+            )
+            return {
+                "index": index,
+                "delta": message,
+                "logprobs": logprobs(delta.completion_tokens),
+                "finish_reason": delta.finish_reason,
+            }
 
         head = {**head, "object": "chat.completion.chunk"}
         return _respond(body, _sse(head, [stream], body.include_usage, done, chunk), None)
     ((answer, last),) = await _whole([stream], done)
-    choice = {"index": 0, "message": {"role": "assistant", "content": answer},
-              "logprobs": logprobs(last.completion_tokens), "finish_reason": last.finish_reason}
-    return JSONResponse({**head, "object": "chat.completion", "choices": [choice],
-                         "usage": _usage([last])})
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": answer},
+        "logprobs": logprobs(last.completion_tokens),
+        "finish_reason": last.finish_reason,
+    }
+    return JSONResponse(
+        {**head, "object": "chat.completion", "choices": [choice], "usage": _usage([last])}
+    )
 
 
 def _chat_logprob(llm: LlmService, scored: _Scored) -> dict[str, Any]:
     """One token of chat's `logprobs.content`."""
+
     def entry(token: int, logprob: float) -> dict[str, Any]:
         text = llm.tokenizer.decode([token])
-        return {"token": llm.token_text(token), "logprob": logprob,
-                "bytes": list(text.encode("utf-8"))}
+        return {
+            "token": llm.token_text(token),
+            "logprob": logprob,
+            "bytes": list(text.encode("utf-8")),
+        }
 
-    return {**entry(scored.token, scored.logprob),
-            "top_logprobs": [entry(i, lp) for i, lp in scored.top]}
+    return {
+        **entry(scored.token, scored.logprob),
+        "top_logprobs": [entry(i, lp) for i, lp in scored.top],
+    }
 
 
 # -- shared by both routes -------------------------------------------------------------------------
@@ -577,9 +681,14 @@ class _Reporter:
     def finished(self, stream: Any, last: Delta) -> None:
         """Record one finished choice: its latencies and tokens, or its error."""
         if last.error is None:
-            self.replica.metrics.finished(self.model, self.started, stream.token_times,
-                                              time.perf_counter(), last.prompt_tokens,
-                                              last.finish_reason or "stop")
+            self.replica.metrics.finished(
+                self.model,
+                self.started,
+                stream.token_times,
+                time.perf_counter(),
+                last.prompt_tokens,
+                last.finish_reason or "stop",
+            )
 
     def failure(self, last: Delta) -> Exception:
         """The exception a choice's error delta stands for (the engine's text stays in the log:
@@ -588,14 +697,19 @@ class _Reporter:
         if last.error.startswith(NONFINITE_PREFIX):
             reason = last.error.removeprefix(NONFINITE_PREFIX)
             suspects = self.replica.watch.nonfinite_logits(f"completion logits: {reason}")
-            then = (f"; rolling back {', '.join(suspects)} (swapped just before): retry"
-                    if suspects else "")
-            return NonFiniteLogitsError(f"the model produced NaN or infinite logits "
-                                        f"({reason}){then}")
+            then = (
+                f"; rolling back {', '.join(suspects)} (swapped just before): retry"
+                if suspects
+                else ""
+            )
+            return NonFiniteLogitsError(
+                f"the model produced NaN or infinite logits ({reason}){then}"
+            )
         log.error("completion failed in the engine: %s", last.error)
         kind = last.error.partition(":")[0] if ":" in last.error else "error"
-        return EngineFailedError(f"the engine failed while generating ({kind}); the replica's "
-                                 "log has the details")
+        return EngineFailedError(
+            f"the engine failed while generating ({kind}); the replica's log has the details"
+        )
 
 
 async def _whole(streams: Sequence[_Stream], done: _Reporter) -> list[tuple[str, Delta]]:
@@ -621,8 +735,13 @@ async def _collect(stream: _Stream) -> tuple[str, Delta]:
 Chunk = Callable[[int, Delta, bool], dict[str, Any]]  # (choice index, delta, first) -> choice
 
 
-async def _sse(head: dict[str, Any], streams: Sequence[_Stream], include_usage: bool,
-               done: _Reporter, chunk: Chunk) -> AsyncIterator[str]:
+async def _sse(
+    head: dict[str, Any],
+    streams: Sequence[_Stream],
+    include_usage: bool,
+    done: _Reporter,
+    chunk: Chunk,
+) -> AsyncIterator[str]:
     """Chunks of every choice as they come (each choice as `chunk` renders it), then usage (if
     asked), then [DONE]."""
     finals: list[Delta] = []
@@ -671,8 +790,11 @@ def _usage(finals: Iterable[Delta]) -> dict[str, int]:
     finals = list(finals)
     prompt = sum(d.prompt_tokens for d in finals)
     completion = sum(d.completion_tokens for d in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _event(payload: dict[str, Any]) -> str:

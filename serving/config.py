@@ -3,6 +3,7 @@
 Both are pydantic models that reject unknown keys, so a typo in a Serve config fails the deploy with
 the key's name instead of being ignored. Neither imports Ray: the coalescer is tested without it.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,15 +23,15 @@ class LlmArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = True            # False: no model, /v1/completions answers 404
-    model: str | None = None        # Hugging Face directory; None: a seeded tiny model
+    enabled: bool = True  # False: no model, /v1/completions answers 404
+    model: str | None = None  # Hugging Face directory; None: a seeded tiny model
     tiny_family: Literal["gpt2", "llama"] = "gpt2"  # which tiny model when `model` is None
     served_name: str | None = None  # id clients send as `model`; None: the directory's name
     dtype: Literal["float32", "float16", "bfloat16"] | None = None  # None: the checkpoint's
     max_running: int = Field(16, ge=1, le=1024)  # requests decoded together (KV slots)
-    max_len: int | None = Field(None, ge=2)      # tokens per slot; None: the model's limit
-    max_waiting: int = Field(256, ge=0)          # queued beyond this: 503
-    max_step_tokens: int = Field(512, ge=1)      # new rows one step takes (prompts chunked)
+    max_len: int | None = Field(None, ge=2)  # tokens per slot; None: the model's limit
+    max_waiting: int = Field(256, ge=0)  # queued beyond this: 503
+    max_step_tokens: int = Field(512, ge=1)  # new rows one step takes (prompts chunked)
     micro_ops: Literal["runtime", "torch"] = "runtime"  # torch: the per-op baseline
 
 
@@ -42,7 +43,7 @@ class AppArgs(BaseModel):
 
     backend: Backend = "auto"  # runtime backend of every replica; auto = cuda when a GPU is visible
     admin_token: str | None = None  # bearer token of /admin; None: $GPUOS_ADMIN_TOKEN; unset: off
-    state_dir: str | None = None    # registry; None: $GPUOS_STATE_DIR or ~/.local/state/gpuos
+    state_dir: str | None = None  # registry; None: $GPUOS_STATE_DIR or ~/.local/state/gpuos
     max_elements: int = Field(1 << 20, ge=1)  # most tensor elements one /v1/ops request may carry
     allow_raw_cuda: bool = False  # let /admin register and swap operators written as raw CUDA
     num_cpus: float = Field(1.0, ge=0)  # CPUs one replica reserves in Ray's scheduler
@@ -77,7 +78,7 @@ class CoalescerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = True  # False: one runtime submission per request (the comparison baseline)
-    max_batch: MaxBatch = 64         # flush as soon as this many tasks wait
-    window_us: WindowUs = 200        # ... or this long after the first of them
-    max_queue: MaxQueue = 1024       # waiting tasks beyond this are refused (503)
+    max_batch: MaxBatch = 64  # flush as soon as this many tasks wait
+    window_us: WindowUs = 200  # ... or this long after the first of them
+    max_queue: MaxQueue = 1024  # waiting tasks beyond this are refused (503)
     deadline_ms: DeadlineMs = 10_000  # a request not answered by then fails (504)

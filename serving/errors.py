@@ -13,6 +13,7 @@ Two body shapes, chosen by route (README, "Errors"):
   so that OpenAI's clients raise their usual exceptions.
 Floats that are NaN or infinite are written as the strings "NaN", "Infinity", "-Infinity".
 """
+
 from __future__ import annotations
 
 import math
@@ -100,8 +101,8 @@ STATUS: Mapping[type[BaseException], int] = {
     core.UnknownOperatorError: 404,
     ModelNotFoundError: 404,
     core.ExpressionError: 400,
-    core.CompileError: 400,         # the compiler's log says what in the source is wrong
-    core.LinkError: 400,            # raw CUDA calling what does not exist
+    core.CompileError: 400,  # the compiler's log says what in the source is wrong
+    core.LinkError: 400,  # raw CUDA calling what does not exist
     UnsupportedParameterError: 400,
     PromptTooLongError: 400,
     SamplingError: 400,
@@ -111,13 +112,13 @@ STATUS: Mapping[type[BaseException], int] = {
     TensorDataError: 422,
     core.TensorSpecError: 422,
     core.CanaryMismatchError: 422,  # the candidate disagrees with its own reference
-    core.CanaryCrashError: 422,     # the candidate faults or hangs: the old version keeps serving
+    core.CanaryCrashError: 422,  # the candidate faults or hangs: the old version keeps serving
     core.NonFiniteOutputError: 422,
     pydantic.ValidationError: 422,  # a value outside its allowed range
     RequestValidationError: 422,
     # the server failed: runtime, device, waits, files; retry later (503) or report (500)
     core.TaskFailedError: 500,
-    core.ProgramError: 500,         # a device program built wrong: our code, not the request
+    core.ProgramError: 500,  # a device program built wrong: our code, not the request
     NonFiniteLogitsError: 500,
     CudaError: 500,
     ModelLoadError: 500,
@@ -150,8 +151,10 @@ def error_body(exc: BaseException, status: int) -> dict[str, Any]:
     """Our JSON body for `exc`: its class, message and public scalar fields. An exception raised
     by no code of ours (a bug) names no internals: the replica's log has the traceback."""
     if not isinstance(exc, OURS):
-        return {"error": "InternalError",
-                "detail": f"unexpected {type(exc).__name__}; the replica's log has the details"}
+        return {
+            "error": "InternalError",
+            "detail": f"unexpected {type(exc).__name__}; the replica's log has the details",
+        }
     if isinstance(exc, HTTPException):
         return {"error": _http_name(status), "detail": str(exc.detail)}
     body: dict[str, Any] = {"error": type(exc).__name__, "detail": message_of(exc)}
@@ -173,8 +176,13 @@ def openai_body(exc: BaseException, status: int) -> dict[str, Any]:
         param = ".".join(str(p) for p in errors[0]["loc"]) or None
     if not isinstance(exc, OURS):
         message = error_body(exc, status)["detail"]
-    kind = ("invalid_request_error" if status < 500 else
-            "server_busy" if status == 503 else "server_error")
+    kind = (
+        "invalid_request_error"
+        if status < 500
+        else "server_busy"
+        if status == 503
+        else "server_error"
+    )
     code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -228,8 +236,9 @@ def _validation_errors(exc: BaseException) -> list[dict[str, Any]]:
         loc, msg = list(error.get("loc", ())), error["msg"]
         if error["type"] == "json_invalid":  # FastAPI's loc holds a meaningless offset there
             loc, msg = [], error.get("ctx", {}).get("error", msg)
-        found.append({"loc": loc[1:] if loc[:1] == ["body"] else loc, "msg": msg,
-                      "type": error["type"]})
+        found.append(
+            {"loc": loc[1:] if loc[:1] == ["body"] else loc, "msg": msg, "type": error["type"]}
+        )
     return found
 
 
@@ -244,5 +253,6 @@ def _plain(value: object) -> bool:
         return True
     if isinstance(value, (list, tuple)):
         return all(_plain(v) for v in value)
-    return isinstance(value, dict) and all(isinstance(k, str) and _plain(v)
-                                           for k, v in value.items())
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and _plain(v) for k, v in value.items()
+    )

@@ -2,6 +2,7 @@
 numpy arrays at C speed (a float32 as its shortest round-trip form), else pydantic's serializer
 with arrays turned into lists first. Both write the same values; orjson is a dependency, and the
 fallback keeps environments without it (an offline bundle) serving."""
+
 from __future__ import annotations
 
 import logging

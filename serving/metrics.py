@@ -5,6 +5,7 @@ use it bare). A scrape asks every replica for its samples (`DeploymentHandle.bro
 them as one exposition with a `replica` label, so one scrape of the Serve port covers the whole
 deployment. The LLM's metrics carry vLLM's names and units, so dashboards made for vLLM work.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
@@ -15,10 +16,45 @@ from prometheus_client.metrics_core import Metric
 
 SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 WAIT_BOUNDS_S = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1)
-TTFT_BOUNDS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0)  # vLLM's buckets
-ITL_BOUNDS_S = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-                0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TTFT_BOUNDS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)  # vLLM's buckets
+ITL_BOUNDS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 E2E_BOUNDS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -30,21 +66,41 @@ class ReplicaMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, cpu seconds, open fds
-        self._batch = Histogram("gpuos_coalesced_batch_size", "tasks per runtime submission",
-                                buckets=SIZE_BOUNDS, registry=r)
-        self._wait = Histogram("gpuos_coalescer_window_wait_seconds",
-                               "how long the oldest task of a submission waited for it",
-                               buckets=WAIT_BOUNDS_S, registry=r)
-        self._depth = Gauge("gpuos_coalescer_queue_depth",
-                            "tasks waiting for a flush, after the last flush", registry=r)
-        self._changes = Counter("gpuos_operator_changes", "register/swap/rollback by outcome",
-                                ("action", "outcome"), registry=r)
-        self._auto = Counter("gpuos_operator_auto_rollbacks",
-                             "operators rolled back by the swap watch, by operator", ("op",),
-                             registry=r)
-        self._errors = Counter("gpuos_request_errors",
-                               "requests answered with an error, by error class and status",
-                               ("kind", "status"), registry=r)
+        self._batch = Histogram(
+            "gpuos_coalesced_batch_size",
+            "tasks per runtime submission",
+            buckets=SIZE_BOUNDS,
+            registry=r,
+        )
+        self._wait = Histogram(
+            "gpuos_coalescer_window_wait_seconds",
+            "how long the oldest task of a submission waited for it",
+            buckets=WAIT_BOUNDS_S,
+            registry=r,
+        )
+        self._depth = Gauge(
+            "gpuos_coalescer_queue_depth",
+            "tasks waiting for a flush, after the last flush",
+            registry=r,
+        )
+        self._changes = Counter(
+            "gpuos_operator_changes",
+            "register/swap/rollback by outcome",
+            ("action", "outcome"),
+            registry=r,
+        )
+        self._auto = Counter(
+            "gpuos_operator_auto_rollbacks",
+            "operators rolled back by the swap watch, by operator",
+            ("op",),
+            registry=r,
+        )
+        self._errors = Counter(
+            "gpuos_request_errors",
+            "requests answered with an error, by error class and status",
+            ("kind", "status"),
+            registry=r,
+        )
         self.llm = LlmMetrics(r)
 
     def flushed(self, size: int, window_wait_s: float, queue_depth: int) -> None:
@@ -71,33 +127,60 @@ class LlmMetrics:
 
     def __init__(self, r: CollectorRegistry) -> None:
         model = ("model_name",)
-        self.running = Gauge("vllm:num_requests_running", "requests decoding now", model,
-                             registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "requests waiting for a KV slot", model,
-                             registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds",
-                              "request arrival to its first generated token", model,
-                              buckets=TTFT_BOUNDS_S, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds",
-                             "time between consecutive generated tokens of a request", model,
-                             buckets=ITL_BOUNDS_S, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "request arrival to its last token", model, buckets=E2E_BOUNDS_S,
-                             registry=r)
-        self.prompt = Counter("vllm:prompt_tokens", "prompt tokens of finished requests", model,
-                              registry=r)
-        self.generation = Counter("vllm:generation_tokens", "generated tokens of finished requests",
-                                  model, registry=r)
-        self.success = Counter("vllm:request_success", "finished requests by finish reason",
-                               ("model_name", "finished_reason"), registry=r)
+        self.running = Gauge(
+            "vllm:num_requests_running", "requests decoding now", model, registry=r
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "requests waiting for a KV slot", model, registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "request arrival to its first generated token",
+            model,
+            buckets=TTFT_BOUNDS_S,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "time between consecutive generated tokens of a request",
+            model,
+            buckets=ITL_BOUNDS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "request arrival to its last token",
+            model,
+            buckets=E2E_BOUNDS_S,
+            registry=r,
+        )
+        self.prompt = Counter(
+            "vllm:prompt_tokens", "prompt tokens of finished requests", model, registry=r
+        )
+        self.generation = Counter(
+            "vllm:generation_tokens", "generated tokens of finished requests", model, registry=r
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "finished requests by finish reason",
+            ("model_name", "finished_reason"),
+            registry=r,
+        )
 
     def load(self, model: str, running: int, waiting: int) -> None:
         """The engine's queue now (set just before a scrape reads it)."""
         self.running.labels(model).set(running)
         self.waiting.labels(model).set(waiting)
 
-    def finished(self, model: str, started: float, token_times: Sequence[float], ended: float,
-                 prompt_tokens: int, reason: str) -> None:
+    def finished(
+        self,
+        model: str,
+        started: float,
+        token_times: Sequence[float],
+        ended: float,
+        prompt_tokens: int,
+        reason: str,
+    ) -> None:
         """One request (one choice) done: `started`, `token_times` and `ended` are
         time.perf_counter() readings; `reason` its finish reason."""
         if token_times:
@@ -117,9 +200,13 @@ def exposition(per_replica: Iterable[tuple[str, Sequence[Metric]]]) -> bytes:
     for replica, metrics in per_replica:
         for metric in metrics:
             merged = families.setdefault(
-                metric.name, Metric(metric.name, metric.documentation, metric.type, metric.unit))
-            merged.samples.extend(s._replace(labels={**s.labels, "replica": replica})
-                                  for s in metric.samples if not s.name.endswith("_created"))
+                metric.name, Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            )
+            merged.samples.extend(
+                s._replace(labels={**s.labels, "replica": replica})
+                for s in metric.samples
+                if not s.name.endswith("_created")
+            )
     return generate_latest(_Families(list(families.values())))
 
 

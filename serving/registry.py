@@ -10,6 +10,7 @@ local runtime (which compiles, and canary-checks once the runtime does, so a bad
 with the old version still serving), write the new snapshot (tmp + rename), then the caller pushes
 it to every replica. Replicas on other nodes need the state dir on shared storage.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,9 +42,9 @@ class VersionRecord(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    version: int             # 1, 2, ... per operator
-    source: str              # its expression, or "catalogue" for a built-in version 1
-    arity: int               # tensor inputs
+    version: int  # 1, 2, ... per operator
+    source: str  # its expression, or "catalogue" for a built-in version 1
+    arity: int  # tensor inputs
     cuda: str | None = None  # raw CUDA functor body (then `source` is its reference)
 
 
@@ -70,9 +71,9 @@ class ChangeNote(BaseModel):
 class ChangeRecord(ChangeNote):
     """A change as the registry's log keeps it."""
 
-    seq: int          # the registry state it made
-    version: int      # the operator's active version after it
-    at: float         # Unix time
+    seq: int  # the registry state it made
+    version: int  # the operator's active version after it
+    at: float  # Unix time
 
 
 class RegistryState(BaseModel):
@@ -89,8 +90,9 @@ class RegistryState(BaseModel):
 
 def version_record(v: OpVersion) -> VersionRecord:
     """How the registry stores `v`: enough to make the same version again."""
-    return VersionRecord(version=v.version, source=v.spec.source, arity=v.spec.arity,
-                         cuda=v.spec.cuda_body)
+    return VersionRecord(
+        version=v.version, source=v.spec.source, arity=v.spec.arity, cuda=v.spec.cuda_body
+    )
 
 
 def op_record(table: OpTable, name: str) -> OperatorRecord:
@@ -141,15 +143,16 @@ def _apply_op(runtime: Runtime, name: str, record: OperatorRecord) -> None:
     for wanted in record.versions[have:]:
         made = runtime.swap(name, wanted.source, cuda=wanted.cuda, canary=False)
         if made.version != wanted.version:
-            raise RegistryDivergedError(f"{name}: made v{made.version}, registry says "
-                                        f"v{wanted.version}")
+            raise RegistryDivergedError(
+                f"{name}: made v{made.version}, registry says v{wanted.version}"
+            )
         _pop_inactive(runtime, name, keep)
     if op_record(runtime.table, name) != record:
         raise RegistryDivergedError(f"{name}: cannot reach active versions {list(record.active)}")
 
 
 def _check_prefix(name: str, have: OperatorRecord, want: OperatorRecord) -> None:
-    if have.versions != want.versions[:len(have.versions)]:
+    if have.versions != want.versions[: len(have.versions)]:
         raise RegistryDivergedError(f"{name}: the runtime's versions differ from the registry's")
 
 
@@ -172,8 +175,10 @@ class RegistryStore:
         except FileNotFoundError:
             return RegistryState()
         except (OSError, ValidationError) as exc:
-            raise RegistryError(f"cannot read the operator registry {self.path}: {exc}; "
-                                "fix or remove it (removing resets every operator)") from exc
+            raise RegistryError(
+                f"cannot read the operator registry {self.path}: {exc}; "
+                "fix or remove it (removing resets every operator)"
+            ) from exc
 
     def save(self, state: RegistryState) -> None:
         """Replace the file atomically: a reader sees the old state or the new, never a mix."""
@@ -207,9 +212,9 @@ class ReplicaRegistry:
     def __init__(self, runtime: Runtime, store: RegistryStore) -> None:
         self.runtime = runtime
         self.store = store
-        self.applied = RegistryState()     # the state this replica's runtime is in
-        self.diverged: str | None = None   # why the last apply failed, until one succeeds
-        self._lock = threading.Lock()      # one apply or change at a time in this replica
+        self.applied = RegistryState()  # the state this replica's runtime is in
+        self.diverged: str | None = None  # why the last apply failed, until one succeeds
+        self._lock = threading.Lock()  # one apply or change at a time in this replica
 
     def catch_up(self) -> RegistryState:
         """Apply the stored state if it is newer than the applied one; returns the applied one."""
@@ -239,8 +244,12 @@ class ReplicaRegistry:
             self._apply(stored)
             made = action(self.runtime)
             seq = max(self.applied.seq, stored.seq) + 1
-            record = ChangeRecord(**note.model_dump(), seq=seq, at=time.time(),
-                                  version=self.runtime.table.current(note.op).version)
+            record = ChangeRecord(
+                **note.model_dump(),
+                seq=seq,
+                at=time.time(),
+                version=self.runtime.table.current(note.op).version,
+            )
             state = snapshot(self.runtime.table, seq, (*self.applied.log, record))
             try:
                 self.store.save(state)

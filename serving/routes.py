@@ -11,6 +11,7 @@ Bad input of any kind gets a 4xx in one shape (serving/errors.py): bodies are li
 stream in, JSON is parsed by pydantic's parser (strict UTF-8, nesting at most 200 deep, about
 3 ms a MB) in a worker thread when large, and every exception goes through `error_response`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -91,17 +92,18 @@ class Change(Protocol):
     """Makes the change `note` describes with `apply` on every replica (stored in the registry,
     pushed to all): what `apply` returned, and the change's report."""
 
-    def __call__(self, note: ChangeNote, apply: Callable[[Runtime], T]
-                 ) -> Awaitable[tuple[T, ChangeResponse]]: ...
+    def __call__(
+        self, note: ChangeNote, apply: Callable[[Runtime], T]
+    ) -> Awaitable[tuple[T, ChangeResponse]]: ...
 
 
 @dataclass(frozen=True)
 class Services:
     """What the routes of one replica use (serving/app.py builds it per replica)."""
 
-    args: AppArgs                          # limits: body bytes, tensor elements
-    replica_id: str                        # named in answers
-    admin_token: str | None                # bearer token of /admin; None: admin off (403)
+    args: AppArgs  # limits: body bytes, tensor elements
+    replica_id: str  # named in answers
+    admin_token: str | None  # bearer token of /admin; None: admin off (403)
     runtime: Runtime
     coalescer: Coalescer
     registry: ReplicaRegistry
@@ -117,8 +119,11 @@ def build_api(replica: Services, routers: Sequence[APIRouter] = ()) -> FastAPI:
     `JsonRoute`), error handlers, body size limit."""
     api = FastAPI(title="gpuos-serve", description="Coalesced GPU micro-operations on Ray Serve")
     _install_errors(api, replica.metrics)
-    api.add_middleware(BodyLimit, limit=replica.args.max_body_bytes(),
-                       on_reject=lambda: replica.metrics.error("RequestTooLargeError", 413))
+    api.add_middleware(
+        BodyLimit,
+        limit=replica.args.max_body_bytes(),
+        on_reject=lambda: replica.metrics.error("RequestTooLargeError", 413),
+    )
     api.include_router(_health_routes(replica))
     api.include_router(_inference_routes(replica))
     api.include_router(_admin_routes(replica))
@@ -137,15 +142,25 @@ def _install_errors(api: FastAPI, metrics: ReplicaMetrics) -> None:
 
     # Raised on purpose: answered here. Anything else is a bug: Starlette's outermost middleware
     # calls the Exception handler (so the client gets the same shape), then logs the traceback.
-    for cls in (GpuosError, ServingError, pydantic.ValidationError, RequestValidationError,
-                HTTPException, Exception):
+    for cls in (
+        GpuosError,
+        ServingError,
+        pydantic.ValidationError,
+        RequestValidationError,
+        HTTPException,
+        Exception,
+    ):
         api.add_exception_handler(cls, answer)
 
 
 def _methods(api: FastAPI, path: str) -> list[str]:
     """Every method the app's OpenAPI lists for `path`."""
-    return sorted(method.upper() for template, operations in api.openapi()["paths"].items()
-                  if compile_path(template)[0].match(path) for method in operations)
+    return sorted(
+        method.upper()
+        for template, operations in api.openapi()["paths"].items()
+        if compile_path(template)[0].match(path)
+        for method in operations
+    )
 
 
 # -- request bodies ----------------------------------------------------------------------------
@@ -219,8 +234,11 @@ class _JsonRequest(Request):
         if not hasattr(self, "_json"):
             raw = await self.body()
             try:
-                self._json = (pydantic_core.from_json(raw) if len(raw) < INLINE_JSON_BYTES
-                              else await asyncio.to_thread(pydantic_core.from_json, raw))
+                self._json = (
+                    pydantic_core.from_json(raw)
+                    if len(raw) < INLINE_JSON_BYTES
+                    else await asyncio.to_thread(pydantic_core.from_json, raw)
+                )
             except ValueError as exc:  # FastAPI answers JSONDecodeError with a validation error
                 raise json.JSONDecodeError(f"invalid JSON: {exc}", "", 0) from None
         return self._json
@@ -253,8 +271,11 @@ def _health_routes(replica: Services) -> APIRouter:
         ready = replica.readiness()
         return JSONResponse(ready.model_dump(), status_code=200 if ready.ready else 503)
 
-    @router.get("/metrics", response_class=Response,
-                responses={200: {"content": {"text/plain": {}}, "description": "metrics"}})
+    @router.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}, "description": "metrics"}},
+    )
     async def metrics() -> Response:
         """Every replica's metrics in Prometheus' text format, labelled by replica."""
         replicas, _ = await replica.broadcast("local_metrics")
@@ -272,9 +293,14 @@ def _inference_routes(replica: Services) -> APIRouter:
         runtime = replica.runtime
         return OpsResponse(backend=runtime.backend_name, ops=op_infos(runtime.table))
 
-    @router.post("/ops/{op}", response_model=None, responses={
-        200: {"model": OpResponse, "description": "the result"},
-        **error_responses(404, 413, 422, 500, 503, 504)})
+    @router.post(
+        "/ops/{op}",
+        response_model=None,
+        responses={
+            200: {"model": OpResponse, "description": "the result"},
+            **error_responses(404, 413, 422, 500, 503, 504),
+        },
+    )
     async def run_op(op: str, body: OpRequest) -> Response:
         """Run `op` on the given tensors, coalesced with concurrent requests into one submission.
         404 unknown op, 413 too many elements (inputs or result), 422 inputs that do not fit,
@@ -283,9 +309,14 @@ def _inference_routes(replica: Services) -> APIRouter:
         # Written once here: FastAPI would validate and convert the result twice more.
         return json_response({**answer, "replica": replica.replica_id})
 
-    @router.post("/batch", response_model=None, responses={
-        200: {"model": BatchResponse, "description": "one result or error per call, in order"},
-        **error_responses(413, 422)})
+    @router.post(
+        "/batch",
+        response_model=None,
+        responses={
+            200: {"model": BatchResponse, "description": "one result or error per call, in order"},
+            **error_responses(413, 422),
+        },
+    )
     async def run_batch(body: BatchRequest) -> Response:
         """Run many calls, coalesced with each other and with concurrent requests. Each call gets
         its own result or the error POST /v1/ops/{op} would have answered it with, and its
@@ -293,8 +324,9 @@ def _inference_routes(replica: Services) -> APIRouter:
         together, may have at most max_elements elements, as one call's may (a call past that
         gets 413). 413 a body over the limit, 422 a body the schema refuses (whole)."""
         budgets = request_budgets(replica.args.max_elements)
-        results = await asyncio.gather(*(_batch_entry(replica, call, budgets)
-                                         for call in body.calls))
+        results = await asyncio.gather(
+            *(_batch_entry(replica, call, budgets) for call in body.calls)
+        )
         return json_response({"results": results, "replica": replica.replica_id})
 
     @router.get("/stats")
@@ -306,8 +338,9 @@ def _inference_routes(replica: Services) -> APIRouter:
     return router
 
 
-async def _run_call(replica: Services, op: str, request: OpRequest,
-                    budgets: Budgets) -> dict[str, Any]:
+async def _run_call(
+    replica: Services, op: str, request: OpRequest, budgets: Budgets
+) -> dict[str, Any]:
     """One call through the coalescer: its answer's `op`, `version` and `output`. Its inputs and
     result are counted against `budgets`; the error classes say what failed."""
     spec = replica.runtime.table.current(op).spec  # 404 before building tensors
@@ -319,8 +352,11 @@ async def _run_call(replica: Services, op: str, request: OpRequest,
         replica.watch.failed(op, replica.runtime.table.current(op).version, str(exc))
         raise
     replica.watch.check_result(call, done.version, done.out)
-    return {"op": op, "version": done.version,
-            "output": from_tensor(done.out, answer_encoding(request))}
+    return {
+        "op": op,
+        "version": done.version,
+        "output": from_tensor(done.out, answer_encoding(request)),
+    }
 
 
 async def _batch_entry(replica: Services, call: BatchCall, budgets: Budgets) -> dict[str, Any]:
@@ -339,8 +375,13 @@ def _admin_routes(replica: Services) -> APIRouter:
     def authorize(authorization: str | None = Header(None)) -> None:
         _check_token(replica.admin_token, authorization)
 
-    router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(authorize)],
-                       route_class=JsonRoute, responses=error_responses(401, 403, 422))
+    router = APIRouter(
+        prefix="/admin",
+        tags=["admin"],
+        dependencies=[Depends(authorize)],
+        route_class=JsonRoute,
+        responses=error_responses(401, 403, 422),
+    )
     changes = error_responses(400, 404, 409, 413, 500, 503)
 
     @router.get("/ops")
@@ -367,7 +408,8 @@ def _admin_routes(replica: Services) -> APIRouter:
         409 if the name exists, 403 for raw CUDA unless the app allows it."""
         _, done = await replica.change(
             ChangeNote(op=body.name, action="register"),
-            lambda rt: rt.register(body.name, body.expression, body.arity, cuda=body.cuda))
+            lambda rt: rt.register(body.name, body.expression, body.arity, cuda=body.cuda),
+        )
         return done
 
     @router.post("/ops/{name}/swap", responses=changes)
@@ -378,15 +420,17 @@ def _admin_routes(replica: Services) -> APIRouter:
         with the position or compiler log, 422 with the canary's cases (a mismatch, or NaN or
         infinity where the current version is finite, unless allow_nonfinite). For `watch_s`
         seconds after, failing requests roll it back by themselves."""
-        comparison, done = await replica.change(ChangeNote(op=name, action="swap"),
-                                                lambda rt: _checked_swap(rt, name, body))
+        comparison, done = await replica.change(
+            ChangeNote(op=name, action="swap"), lambda rt: _checked_swap(rt, name, body)
+        )
         return done.model_copy(update={"canary": canary_report(comparison)})
 
     @router.post("/ops/{name}/rollback", responses=changes)
     async def rollback(name: str) -> ChangeResponse:
         """Make the version active before the last change current again on every replica."""
-        _, done = await replica.change(ChangeNote(op=name, action="rollback"),
-                                       lambda rt: rt.rollback(name))
+        _, done = await replica.change(
+            ChangeNote(op=name, action="rollback"), lambda rt: rt.rollback(name)
+        )
         return done
 
     @router.get("/replicas")
@@ -418,11 +462,13 @@ def _checked_swap(runtime: Runtime, name: str, body: SwapRequest) -> Comparison:
 
 def _check_token(expected: str | None, authorization: str | None) -> None:
     if expected is None:
-        raise AdminAuthError(f"admin disabled: set {ADMIN_TOKEN_ENV} or the app arg admin_token",
-                             403)
+        raise AdminAuthError(
+            f"admin disabled: set {ADMIN_TOKEN_ENV} or the app arg admin_token", 403
+        )
     if not authorization:
         raise AdminAuthError("missing 'Authorization: Bearer <token>' header", 401)
     scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                              expected.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), expected.encode()
+    ):
         raise AdminAuthError("wrong admin token", 403)

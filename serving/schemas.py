@@ -7,6 +7,7 @@ element. JSON has no NaN or infinity: lists write them as the strings "NaN", "In
 "-Infinity", in answers and in requests (which also take the bare literals NaN and Infinity some
 encoders write); null is refused, as it could mean any of them or a missing value.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,10 @@ from .registry import Action, ChangeRecord, VersionRecord, version_record
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 DTYPES: Mapping[Dtype, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 DTYPE_NAMES: Mapping[torch.dtype, Dtype] = {v: k for k, v in DTYPES.items()}
 Encoding = Literal["list", "b64"]
 NonFinite = Literal["NaN", "Infinity", "-Infinity"]
@@ -47,8 +51,10 @@ class _Strict(BaseModel):
 class TensorIn(_Strict):
     """A tensor in JSON: nested lists (row-major), or a flat list with its shape."""
 
-    data: list[Any] = Field(description='nested lists of numbers, or a flat list with `shape`; '
-                                        '"NaN", "Infinity", "-Infinity" for non-finite values')
+    data: list[Any] = Field(
+        description="nested lists of numbers, or a flat list with `shape`; "
+        '"NaN", "Infinity", "-Infinity" for non-finite values'
+    )
     shape: Shape | None = Field(None, description="required for a flat list of a >1-D tensor")
     dtype: Dtype = "float32"
 
@@ -69,8 +75,9 @@ def _encoding_of(value: Any) -> Encoding:
     return "b64" if has_b64 else "list"
 
 
-TensorInput = Annotated[Annotated[TensorIn, Tag("list")] | Annotated[TensorB64, Tag("b64")],
-                        Discriminator(_encoding_of)]
+TensorInput = Annotated[
+    Annotated[TensorIn, Tag("list")] | Annotated[TensorB64, Tag("b64")], Discriminator(_encoding_of)
+]
 
 
 class OpRequest(_Strict):
@@ -78,8 +85,9 @@ class OpRequest(_Strict):
 
     inputs: list[TensorInput] = Field(description="positional tensor inputs, each as lists or b64")
     out_dtype: Dtype | None = Field(None, description="output dtype (default: promoted inputs)")
-    out_encoding: Encoding | None = Field(None, description="the result's encoding (default: b64 "
-                                                            "if an input is b64, else list)")
+    out_encoding: Encoding | None = Field(
+        None, description="the result's encoding (default: b64 if an input is b64, else list)"
+    )
     scalars: dict[str, float] = Field({}, description="named parameters, e.g. {'eps': 1e-5}")
     dims: list[int] | None = Field(None, description="sum/mean: dims to reduce (default all)")
     keepdim: bool = False
@@ -88,8 +96,9 @@ class OpRequest(_Strict):
 class TensorOut(BaseModel):
     """A result tensor as lists: its elements in row-major order, shape and dtype."""
 
-    data: list[float | NonFinite] = Field(description='row-major; non-finite values as "NaN", '
-                                                      '"Infinity", "-Infinity"')
+    data: list[float | NonFinite] = Field(
+        description='row-major; non-finite values as "NaN", "Infinity", "-Infinity"'
+    )
     shape: list[int]
     dtype: Dtype
 
@@ -163,9 +172,17 @@ def op_infos(table: OpTable) -> list[OpInfo]:
         current = table.current(name)
         spec = current.spec
         scalars = [ScalarInfo(name=p.name, default=p.default) for p in spec.scalars]
-        infos.append(OpInfo(name=name, family=spec.family, arity=spec.arity,
-                            min_inputs=spec.min_inputs, scalars=scalars,
-                            version=current.version, source=spec.source))
+        infos.append(
+            OpInfo(
+                name=name,
+                family=spec.family,
+                arity=spec.arity,
+                min_inputs=spec.min_inputs,
+                scalars=scalars,
+                version=current.version,
+                source=spec.source,
+            )
+        )
     return infos
 
 
@@ -225,10 +242,14 @@ class StatsResponse(BaseModel):
 def stats_total(replicas: list[ReplicaStats]) -> StatsTotal:
     batches = sum(r.batches for r in replicas)
     tasks = sum(r.tasks for r in replicas)
-    return StatsTotal(requests=sum(r.requests for r in replicas), batches=batches, tasks=tasks,
-                      mean_batch_size=tasks / batches if batches else 0.0,
-                      llm_steps=sum(r.llm_steps for r in replicas),
-                      llm_tokens=sum(r.llm_tokens for r in replicas))
+    return StatsTotal(
+        requests=sum(r.requests for r in replicas),
+        batches=batches,
+        tasks=tasks,
+        mean_batch_size=tasks / batches if batches else 0.0,
+        llm_steps=sum(r.llm_steps for r in replicas),
+        llm_tokens=sum(r.llm_tokens for r in replicas),
+    )
 
 
 # -- admin -------------------------------------------------------------------------------------
@@ -236,15 +257,20 @@ class RegisterRequest(_Strict):
     name: str = Field(description="lower-case identifier, at most 48 characters")
     expression: str = Field(description="elementwise expression over A, B, C and s0..s3")
     arity: int | None = Field(None, ge=1, le=3, description="tensor inputs (default: as used)")
-    cuda: str | None = Field(None, description="raw CUDA functor body, `expression` then being "
-                                               "its reference (needs allow_raw_cuda)")
+    cuda: str | None = Field(
+        None,
+        description="raw CUDA functor body, `expression` then being "
+        "its reference (needs allow_raw_cuda)",
+    )
 
 
 class SwapRequest(_Strict):
     expression: str = Field(description="the new version's expression (same inputs)")
     cuda: str | None = Field(None, description="raw CUDA functor body (needs allow_raw_cuda)")
-    allow_nonfinite: bool = Field(False, description="accept a version that is NaN or infinite "
-                                                     "where the current one is finite")
+    allow_nonfinite: bool = Field(
+        False,
+        description="accept a version that is NaN or infinite where the current one is finite",
+    )
 
 
 class CoalescerUpdate(_Strict):
@@ -266,8 +292,9 @@ class AdminOp(BaseModel):
     previous: int | None
     active: list[int] = Field(description="activation stack, oldest first; rollback pops")
     history: list[VersionRecord]
-    changes: list[ChangeRecord] = Field(description="its registers, swaps and rollbacks, oldest "
-                                                    "first: who made each and why")
+    changes: list[ChangeRecord] = Field(
+        description="its registers, swaps and rollbacks, oldest first: who made each and why"
+    )
 
 
 class ReplicaReport(BaseModel):
@@ -291,8 +318,10 @@ class CanaryReport(BaseModel):
     """A swap's new version beside the one it replaced, on the canary inputs (all dtypes)."""
 
     max_abs_deviation: float = Field(description="largest |new - current| where both are finite")
-    nonfinite: int = Field(description="elements NaN or infinite in the new version, finite in "
-                                       "the current (only with allow_nonfinite)")
+    nonfinite: int = Field(
+        description="elements NaN or infinite in the new version, finite in "
+        "the current (only with allow_nonfinite)"
+    )
     cases: int = Field(description="input cases times dtypes compared")
 
 
@@ -304,27 +333,35 @@ class ChangeResponse(BaseModel):
     version: int = Field(description="the version now active")
     registry_seq: int
     replicas: list[ReplicaReport]
-    unreachable: list[str] = Field(description="replicas that did not confirm (they catch up on "
-                                               "their next health check)")
-    canary: CanaryReport | None = Field(None, description="swaps: the new version beside the "
-                                                          "current one")
+    unreachable: list[str] = Field(
+        description="replicas that did not confirm (they catch up on their next health check)"
+    )
+    canary: CanaryReport | None = Field(
+        None, description="swaps: the new version beside the current one"
+    )
 
 
 def canary_report(comparison: Comparison) -> CanaryReport:
-    return CanaryReport(max_abs_deviation=comparison.max_abs_deviation,
-                        nonfinite=comparison.nonfinite, cases=len(comparison.cases))
+    return CanaryReport(
+        max_abs_deviation=comparison.max_abs_deviation,
+        nonfinite=comparison.nonfinite,
+        cases=len(comparison.cases),
+    )
 
 
 def admin_op(table: OpTable, name: str, log: tuple[ChangeRecord, ...] = ()) -> AdminOp:
     """`name`'s history and activation stack as `table` has it, and its records in `log`."""
     history = table.history[name]
     previous = table.previous(name)
-    return AdminOp(name=name, family=history[0].spec.family,
-                   current=table.current(name).version,
-                   previous=previous.version if previous else None,
-                   active=[v.version for v in table.active[name]],
-                   history=[version_record(v) for v in history],
-                   changes=[r for r in log if r.op == name])
+    return AdminOp(
+        name=name,
+        family=history[0].spec.family,
+        current=table.current(name).version,
+        previous=previous.version if previous else None,
+        active=[v.version for v in table.active[name]],
+        history=[version_record(v) for v in history],
+        changes=[r for r in log if r.op == name],
+    )
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -368,5 +405,6 @@ class OpenAIErrorBody(BaseModel):
 def error_responses(*statuses: int, openai: bool = False) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` for the error statuses a route answers with, in its body shape."""
     model = OpenAIErrorBody if openai else ErrorBody
-    return {status: {"model": model, "description": HTTPStatus(status).phrase}
-            for status in statuses}
+    return {
+        status: {"model": model, "description": HTTPStatus(status).phrase} for status in statuses
+    }

@@ -9,6 +9,7 @@ A request's tensor elements are counted against `ElementBudget`s: one for its in
 its results, each `max_elements`, shared by all the calls of a batch, so a batch costs a replica
 no more memory than a single call may.
 """
+
 from __future__ import annotations
 
 import base64
@@ -35,8 +36,10 @@ class ElementBudget:
     def take(self, count: int, detail: str = "") -> None:
         """Use `count` elements; RequestTooLargeError (nothing used) when fewer are left."""
         if count > self.left:
-            raise RequestTooLargeError(f"{detail}{self.what} have more than {self.limit} "
-                                       "elements in all; split the request")
+            raise RequestTooLargeError(
+                f"{detail}{self.what} have more than {self.limit} "
+                "elements in all; split the request"
+            )
         self.left -= count
 
 
@@ -49,8 +52,9 @@ class Budgets(NamedTuple):
 
 def request_budgets(max_elements: int) -> Budgets:
     """A request's budgets: `max_elements` for its inputs and as many for its results."""
-    return Budgets(ElementBudget(max_elements, "the inputs"),
-                   ElementBudget(max_elements, "the results"))
+    return Budgets(
+        ElementBudget(max_elements, "the inputs"), ElementBudget(max_elements, "the results")
+    )
 
 
 def to_call(op: str, request: OpRequest, inputs: ElementBudget, device: torch.device) -> OpCall:
@@ -61,10 +65,14 @@ def to_call(op: str, request: OpRequest, inputs: ElementBudget, device: torch.de
         x = to_tensor(spec, f"input {i}", device)
         inputs.take(x.numel())
         tensors.append(x)
-    return OpCall(op, tuple(tensors), scalars=request.scalars,
-                  dims=tuple(request.dims) if request.dims is not None else None,
-                  keepdim=request.keepdim,
-                  out_dtype=DTYPES[request.out_dtype] if request.out_dtype else None)
+    return OpCall(
+        op,
+        tuple(tensors),
+        scalars=request.scalars,
+        dims=tuple(request.dims) if request.dims is not None else None,
+        keepdim=request.keepdim,
+        out_dtype=DTYPES[request.out_dtype] if request.out_dtype else None,
+    )
 
 
 def check_output_size(spec: OpSpec, call: OpCall, results: ElementBudget) -> None:
@@ -99,7 +107,8 @@ def _from_b64(spec: TensorB64, what: str) -> torch.Tensor:
     if len(raw) != count * dtype.itemsize:
         raise TensorDataError(
             f"{what}: b64 holds {len(raw)} bytes; shape {spec.shape} of {spec.dtype} needs "
-            f"{count * dtype.itemsize} ({count} elements of {dtype.itemsize} bytes)")
+            f"{count * dtype.itemsize} ({count} elements of {dtype.itemsize} bytes)"
+        )
     flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
     return flat.reshape(spec.shape)
 
@@ -112,8 +121,9 @@ def _array(data: list[Any], what: str) -> np.ndarray:
             array = np.vectorize(_number, otypes=[np.float64])(np.asarray(data, dtype=object))
         return array.astype(np.float32)
     except (ValueError, TypeError, OverflowError) as exc:
-        raise TensorDataError(f"{what}: data must be numbers in evenly nested lists "
-                              f"({exc})") from None
+        raise TensorDataError(
+            f"{what}: data must be numbers in evenly nested lists ({exc})"
+        ) from None
 
 
 def _number(value: object) -> float:
@@ -123,16 +133,19 @@ def _number(value: object) -> float:
     if isinstance(value, str) and value in NONFINITE:
         return NONFINITE[value]
     if value is None:
-        raise ValueError('null is not a number; send NaN as "NaN" (infinities as "Infinity", '
-                         '"-Infinity")')
+        raise ValueError(
+            'null is not a number; send NaN as "NaN" (infinities as "Infinity", "-Infinity")'
+        )
     raise ValueError(f"got {type(value).__name__} {str(value)[:40]!r}")
 
 
 def _reshaped(array: np.ndarray, shape: list[int], what: str) -> np.ndarray:
     if array.ndim != 1 or array.size != math.prod(shape):
-        raise TensorDataError(f"{what}: data of shape {list(array.shape)} does not fit shape "
-                              f"{shape}; give nested lists of that shape or a flat list of its "
-                              "size")
+        raise TensorDataError(
+            f"{what}: data of shape {list(array.shape)} does not fit shape "
+            f"{shape}; give nested lists of that shape or a flat list of its "
+            "size"
+        )
     return array.reshape(shape)
 
 
@@ -148,8 +161,11 @@ def from_tensor(x: torch.Tensor, encoding: Encoding = "list") -> dict[str, Any]:
     Built, not validated: a million floats took 200 ms of the event loop to check."""
     if encoding == "b64":
         data = x.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-        return {"b64": base64.b64encode(data.data).decode("ascii"), "shape": list(x.shape),
-                "dtype": DTYPE_NAMES[x.dtype]}
+        return {
+            "b64": base64.b64encode(data.data).decode("ascii"),
+            "shape": list(x.shape),
+            "dtype": DTYPE_NAMES[x.dtype],
+        }
     return {"data": _listed(x), "shape": list(x.shape), "dtype": DTYPE_NAMES[x.dtype]}
 
 

@@ -9,6 +9,7 @@ registry, so concurrent failures on several replicas roll it back once), with th
 registry's log. Checking a result costs one `isfinite` over it; the old version runs only when the
 new one produced non-finite values.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,13 @@ Change = Callable[[ChangeNote, Callable[[Runtime], object]], Awaitable[object]]
 class SwapWatch:
     """Watches the versions swapped in the last `window_s` seconds on one replica."""
 
-    def __init__(self, registry: ReplicaRegistry, window_s: float, change: Change,
-                 on_rollback: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        window_s: float,
+        change: Change,
+        on_rollback: Callable[[str], None],
+    ) -> None:
         self.registry, self.window_s = registry, window_s
         self._change, self._on_rollback = change, on_rollback
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}  # rollbacks under way
@@ -46,8 +52,12 @@ class SwapWatch:
         if op not in table.active or table.current(op).version != version:
             return False
         last = next((r for r in reversed(self.registry.applied.log) if r.op == op), None)
-        return (last is not None and last.action == "swap" and last.version == version
-                and time.time() - last.at < self.window_s)
+        return (
+            last is not None
+            and last.action == "swap"
+            and last.version == version
+            and time.time() - last.at < self.window_s
+        )
 
     def check_result(self, call: OpCall, version: int, out: torch.Tensor) -> None:
         """After a request's answer: roll `version` back if it made NaN or infinity where the
@@ -60,8 +70,12 @@ class SwapWatch:
         old = run_reference(before.spec, call).to(out.dtype)
         bad = nonfinite_regressions(out, old)
         if bad:
-            self.failed(call.op, version, f"v{version} returned {bad} NaN or infinite value(s) "
-                                          f"where v{before.version} is finite on the same inputs")
+            self.failed(
+                call.op,
+                version,
+                f"v{version} returned {bad} NaN or infinite value(s) "
+                f"where v{before.version} is finite on the same inputs",
+            )
 
     def failed(self, op: str, version: int, reason: str) -> bool:
         """A request using `version` of `op` failed: roll it back if it is watched (True)."""
@@ -77,8 +91,11 @@ class SwapWatch:
         Returns those being rolled back."""
         table = self.registry.runtime.table
         swapped = sorted({r.op for r in self.registry.applied.log if r.action == "swap"})
-        return [op for op in swapped
-                if op in table.active and self.failed(op, table.current(op).version, reason)]
+        return [
+            op
+            for op in swapped
+            if op in table.active and self.failed(op, table.current(op).version, reason)
+        ]
 
     async def _roll_back(self, op: str, version: int, reason: str) -> None:
         note = ChangeNote(op=op, action="rollback", by="watch", reason=reason)

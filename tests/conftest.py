@@ -1,4 +1,5 @@
 """Suite-wide pytest hooks: tests marked `gpu` are skipped on machines without a CUDA device."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

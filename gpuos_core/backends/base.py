@@ -1,4 +1,5 @@
 """The contract every backend fulfils."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -14,12 +15,12 @@ from ..optable import Image
 class Backend(ABC):
     """Executes batches of encoded tasks against the image it has loaded."""
 
-    name: str                         # "cpu" or "cuda"
-    device: torch.device              # where task tensors must live
-    needs_image_binary = False        # True: load() needs the linked cubin (see Runtime)
-    arch: str | None = None           # the NVRTC target this backend's device needs (None: any)
+    name: str  # "cpu" or "cuda"
+    device: torch.device  # where task tensors must live
+    needs_image_binary = False  # True: load() needs the linked cubin (see Runtime)
+    arch: str | None = None  # the NVRTC target this backend's device needs (None: any)
     tile_elements: int | None = None  # split tasks into records of about this much work
-    broken: str | None = None         # set when the backend refuses all further work, and why
+    broken: str | None = None  # set when the backend refuses all further work, and why
 
     def host_records(self, n: int) -> np.ndarray:
         """Room for n TASK records where `launch` reads them best (page-locked on CUDA, so a

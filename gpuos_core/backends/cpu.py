@@ -5,6 +5,7 @@ elements, dtype), computed in fp32 from those views, and written through the enc
 for the work items [range_begin, range_end) the record names. A dedicated thread plays the device,
 so submission is asynchronous exactly as on the GPU.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -42,8 +43,10 @@ def _check_waits(record: np.void, counters: np.ndarray | None) -> None:
     for event, count in zip(record["wait"], record["wait_count"]):
         if event != NO_EVENT and (counters is None or counters[event] < count):
             have = "no event counters" if counters is None else f"{counters[event]} signal(s)"
-            raise RuntimeError(f"record waits for event {event} to reach {count}, but {have} "
-                               "came before it: a program's producers must precede its consumers")
+            raise RuntimeError(
+                f"record waits for event {event} to reach {count}, but {have} "
+                "came before it: a program's producers must precede its consumers"
+            )
 
 
 class CpuBackend(Backend):
@@ -91,5 +94,11 @@ class CpuBackend(Backend):
         mask = int(record["reduce_mask"])
         dims = tuple(d for d in range(xs[0].dim() if xs else 0) if mask >> d & 1)
         params = Params(tuple(float(s) for s in record["scalars"][: len(spec.scalars)]), dims)
-        spec.kind.execute(decode(record["out"]), xs, params, spec.expression,
-                          int(record["range_begin"]), int(record["range_end"]))
+        spec.kind.execute(
+            decode(record["out"]),
+            xs,
+            params,
+            spec.expression,
+            int(record["range_begin"]),
+            int(record["range_end"]),
+        )

@@ -18,6 +18,7 @@ device-wide synchronisation from another thread is safe only because the worker'
 never unload modules, free memory the worker may read (keep task tensors alive until completion: the
 Batch does) or change context limits (cuCtxSetLimit) yourself.
 """
+
 from __future__ import annotations
 
 import collections
@@ -49,11 +50,11 @@ class _Pending:
     """A launched batch: where its completions appear and how far they are known to have come."""
 
     batch: Batch
-    first: int            # ticket of its first record
-    count: int            # records
-    mask: int             # ring capacity - 1
-    published: int = 0    # records published so far (a batch larger than the ring goes in parts)
-    reaped: int = 0       # records from the first known complete, in ticket order
+    first: int  # ticket of its first record
+    count: int  # records
+    mask: int  # ring capacity - 1
+    published: int = 0  # records published so far (a batch larger than the ring goes in parts)
+    reaped: int = 0  # records from the first known complete, in ticket order
     failures: list[int] = field(default_factory=list)  # failed record indices among those
 
     @property
@@ -91,16 +92,19 @@ class CudaBackend(Backend):
     def __init__(self, config: CudaConfig | None = None, device_index: int = 0) -> None:
         self.config = config or CudaConfig()
         assert self.config.capacity & (self.config.capacity - 1) == 0, "capacity: a power of two"
-        assert all(1 <= n <= MAX_CLAIM for n in (self.config.max_claim, self.config.program_claim)
-                   ), f"max_claim and program_claim: 1 to {MAX_CLAIM}"
+        assert all(
+            1 <= n <= MAX_CLAIM for n in (self.config.max_claim, self.config.program_claim)
+        ), f"max_claim and program_claim: 1 to {MAX_CLAIM}"
         self.tile_elements = self.config.tile_elements
         self.device = torch.device("cuda", device_index)
         # The caller's current torch stream as a raw handle. torch's private getter (the one its
         # generated code uses) skips building a Stream object, which costs microseconds a submit.
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._current_stream: Callable[[], int] = (
-            (lambda: raw(device_index)) if raw is not None
-            else (lambda: torch.cuda.current_stream(self.device).cuda_stream))
+            (lambda: raw(device_index))
+            if raw is not None
+            else (lambda: torch.cuda.current_stream(self.device).cuda_stream)
+        )
         torch.empty(1, device=self.device)  # torch creates (and owns) the primary context first
         self._threads = threading.local()  # which threads have our context current
         self._streams: dict[int, cu.CUstream] = {}  # torch stream handles, wrapped for the driver
@@ -118,8 +122,9 @@ class CudaBackend(Backend):
         self.launches = 0  # worker launches so far (each lease is one)
         self._closed = False
         self._parked = False  # the poller blocks on _wake (see _park_when_idle)
-        self._poller = threading.Thread(target=self._poll_loop, name="gpuos-cuda-poller",
-                                        daemon=True)
+        self._poller = threading.Thread(
+            target=self._poll_loop, name="gpuos-cuda-poller", daemon=True
+        )
         self._poller.start()
 
     # -- setup ---------------------------------------------------------------------------------
@@ -129,17 +134,21 @@ class CudaBackend(Backend):
         self._ctx = check(cu.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
         self._use_context()
         # Before our first launch, never again: changing it later blocks on running kernels.
-        check(cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, self.config.stack_bytes),
-              "cuCtxSetLimit(stack)")
+        check(
+            cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, self.config.stack_bytes),
+            "cuCtxSetLimit(stack)",
+        )
         major, minor = (self._attribute(f"COMPUTE_CAPABILITY_{p}") for p in ("MAJOR", "MINOR"))
         self.arch = f"sm_{major}{minor}"
         self.blocks = self._attribute("MULTIPROCESSOR_COUNT") * self.config.blocks_per_sm
         self._worker_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(worker)")
         self._copy_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(copy)")
-        self._worker_done = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
-                                  "cuEventCreate")
-        self._inputs_ready = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
-                                   "cuEventCreate")
+        self._worker_done = check(
+            cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
+        )
+        self._inputs_ready = check(
+            cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
+        )
 
     def _attribute(self, name: str) -> int:
         attribute = getattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
@@ -192,8 +201,9 @@ class CudaBackend(Backend):
         with self._lock:
             assert not self._pending, "load() with batches in flight"
             self._stop_worker()
-            module = check(cu.cuModuleLoadData(binary),
-                           f"cuModuleLoadData(image {image.generation})")
+            module = check(
+                cu.cuModuleLoadData(binary), f"cuModuleLoadData(image {image.generation})"
+            )
             self._worker_fn = check(cu.cuModuleGetFunction(module, b"gpuos_worker"), "gpuos_worker")
             self._write_fn = check(cu.cuModuleGetFunction(module, b"gpuos_write_u64"), "write_u64")
             self._modules.append(module)
@@ -213,8 +223,12 @@ class CudaBackend(Backend):
                 raise StalledWorkerError(self.broken)
             self._after_producer()
             if batch.events is not None:  # stream-ordered before every record of the batch
-                check(cu.cuMemsetD32Async(batch.events.data_ptr(), 0, batch.events.numel(),
-                                          self._copy_stream), "zero the program's events")
+                check(
+                    cu.cuMemsetD32Async(
+                        batch.events.data_ptr(), 0, batch.events.numel(), self._copy_stream
+                    ),
+                    "zero the program's events",
+                )
             claim = self.config.program_claim if batch.events is not None else self.config.max_claim
             if claim != self._claim:  # a hint: records claimed under the old one are just as valid
                 self._write_u64(self._claim_address, claim)
@@ -225,7 +239,7 @@ class CudaBackend(Backend):
             self._pending.append(pending)
             part = min(self.config.capacity, self.config.publish_chunk)
             for begin in range(0, len(records), part):
-                self._publish(records[begin:begin + part], batch.pinned, pending)
+                self._publish(records[begin : begin + part], batch.pinned, pending)
         batch.set_poller(self.poll, self.config.spin_s)
 
     def trace(self) -> np.ndarray:
@@ -237,8 +251,10 @@ class CudaBackend(Backend):
         self._use_context()
         with self._lock:
             module = self._modules[-1]
-        return np.concatenate([self._read_global(module, name)
-                               for name in (b"gpuos_trace", b"gpuos_trace_marks")], axis=1)
+        return np.concatenate(
+            [self._read_global(module, name) for name in (b"gpuos_trace", b"gpuos_trace_marks")],
+            axis=1,
+        )
 
     def _read_global(self, module: object, name: bytes) -> np.ndarray:
         """A uint64 [GPUOS_TRACE_SLOTS, k] table of the image, copied to the host."""
@@ -304,20 +320,28 @@ class CudaBackend(Backend):
         if pinned:
             source = piece.ctypes.data
         else:
-            self._stage_raw[at:at + len(piece)] = piece
+            self._stage_raw[at : at + len(piece)] = piece
             source = self._staging.host + at * size
-        check(cu.cuMemcpyHtoDAsync(self._ring + at * size, source, len(piece) * size,
-                                   self._copy_stream), "copy to ring")
+        check(
+            cu.cuMemcpyHtoDAsync(
+                self._ring + at * size, source, len(piece) * size, self._copy_stream
+            ),
+            "copy to ring",
+        )
 
     def _write_u64(self, address: int, value: int) -> None:
         """Stream-ordered store into device memory, after everything queued on the copy stream."""
         if self._stream_writes:
-            check(cu.cuStreamWriteValue64(self._copy_stream, address, value, 0),
-                  "cuStreamWriteValue64")
+            check(
+                cu.cuStreamWriteValue64(self._copy_stream, address, value, 0),
+                "cuStreamWriteValue64",
+            )
             return
         params, _args = kernel_params(address, value)
-        check(cu.cuLaunchKernel(self._write_fn, 1, 1, 1, 1, 1, 1, 0, self._copy_stream,
-                                params, 0), "doorbell launch")
+        check(
+            cu.cuLaunchKernel(self._write_fn, 1, 1, 1, 1, 1, 1, 0, self._copy_stream, params, 0),
+            "doorbell launch",
+        )
 
     def _wait_for_space(self, n: int) -> None:
         """Backpressure: wait (lock released) until n ring slots hold only completed records."""
@@ -333,11 +357,30 @@ class CudaBackend(Backend):
             return
         check((status,), "the previous worker launch")  # a sticky device fault surfaces here
         c = self.config
-        params, _args = kernel_params(self._queue, self._ring, c.capacity - 1,
-                                      self._done_buf.device, c.idle_us * 1000,
-                                      c.lease_ms * 1_000_000)
-        check(cu.cuLaunchKernel(self._worker_fn, self.blocks, 1, 1, c.block_threads, 1, 1, 0,
-                                self._worker_stream, params, 0), "worker launch")
+        params, _args = kernel_params(
+            self._queue,
+            self._ring,
+            c.capacity - 1,
+            self._done_buf.device,
+            c.idle_us * 1000,
+            c.lease_ms * 1_000_000,
+        )
+        check(
+            cu.cuLaunchKernel(
+                self._worker_fn,
+                self.blocks,
+                1,
+                1,
+                c.block_threads,
+                1,
+                1,
+                0,
+                self._worker_stream,
+                params,
+                0,
+            ),
+            "worker launch",
+        )
         check(cu.cuEventRecord(self._worker_done, self._worker_stream), "cuEventRecord")
         self.launches += 1
 
@@ -364,8 +407,9 @@ class CudaBackend(Backend):
                 self._last_progress = time.monotonic()
                 self._wake.notify_all()
         for pending in finished:
-            pending.batch.complete({r: "operator slot not in the loaded image"
-                                    for r in pending.failures})
+            pending.batch.complete(
+                {r: "operator slot not in the loaded image" for r in pending.failures}
+            )
         return progressed
 
     def _poll_loop(self) -> None:
@@ -402,8 +446,10 @@ class CudaBackend(Backend):
                 waited = time.monotonic() - self._last_progress
                 if waited < self.config.stall_timeout_s:
                     return
-                self.broken = (f"worker stalled: {len(self._pending)} batch(es) pending, no "
-                               f"completion for {waited:.1f} s; restart the replica")
+                self.broken = (
+                    f"worker stalled: {len(self._pending)} batch(es) pending, no "
+                    f"completion for {waited:.1f} s; restart the replica"
+                )
             except CudaError as exc:
                 self.broken = f"the device faulted ({exc}); restart the replica"
             failed, self._pending = list(self._pending), collections.deque()

@@ -1,5 +1,6 @@
 """A thin layer over the CUDA driver API (cuda.bindings.driver): one `check()` chokepoint that
 raises with the decoded error, and the few memory helpers the CUDA backend needs."""
+
 from __future__ import annotations
 
 import ctypes
@@ -25,8 +26,10 @@ def check(result: tuple[Any, ...], what: str) -> Any:
     if status != OK:
         _, name = cu.cuGetErrorName(status)
         _, text = cu.cuGetErrorString(status)
-        raise CudaError(f"{what} failed: {name.decode() if name else status} "
-                        f"({text.decode() if text else 'no description'})")
+        raise CudaError(
+            f"{what} failed: {name.decode() if name else status} "
+            f"({text.decode() if text else 'no description'})"
+        )
     return values[0] if len(values) == 1 else tuple(values) or None
 
 
@@ -50,8 +53,11 @@ class PinnedBuffer:
         flags = cu.CU_MEMHOSTALLOC_PORTABLE | (cu.CU_MEMHOSTALLOC_DEVICEMAP if mapped else 0)
         self.host = int(check(cu.cuMemHostAlloc(nbytes, flags), f"cuMemHostAlloc({nbytes})"))
         self.nbytes = nbytes
-        self.device = int(check(cu.cuMemHostGetDevicePointer(self.host, 0),
-                                "cuMemHostGetDevicePointer")) if mapped else 0
+        self.device = (
+            int(check(cu.cuMemHostGetDevicePointer(self.host, 0), "cuMemHostGetDevicePointer"))
+            if mapped
+            else 0
+        )
 
     def view(self, dtype: npt.DTypeLike) -> np.ndarray:
         return host_array(self.host, self.nbytes, dtype)

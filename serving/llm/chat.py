@@ -10,6 +10,7 @@ controls, a `tojson` that does not escape HTML, `raise_exception` and `strftime_
 special tokens of tokenizer_config.json (`bos_token`, `eos_token`, ...) as variables. The rendered
 text is encoded without adding special tokens (the template writes the BOS token itself).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from serving.llm.tokenizer import token_string
 
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                  "mask_token")
+SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class ChatTemplateError(ValueError):
@@ -38,10 +46,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(format: str) -> str:
@@ -50,8 +64,9 @@ def _strftime_now(format: str) -> str:
 
 @lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -69,18 +84,27 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from None
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               **extra: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
         """The prompt text of `messages` ({"role", "content", ...} each); with
         `add_generation_prompt`, ending where the assistant's answer begins. ChatTemplateError
         says why the template refused them."""
         try:
-            return self.template.render(messages=[dict(m) for m in messages], tools=None,
-                                        documents=None, add_generation_prompt=add_generation_prompt,
-                                        **{**self.special_tokens, **extra})
+            return self.template.render(
+                messages=[dict(m) for m in messages],
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **extra},
+            )
         except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"the model's chat template refused the messages: {exc}") \
-                from None
+            raise ChatTemplateError(
+                f"the model's chat template refused the messages: {exc}"
+            ) from None
 
 
 def _source(path: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
@@ -107,8 +131,11 @@ def load_chat_template(path: str | Path) -> ChatTemplate | None:
     source = _source(path, config)
     if source is None:
         return None
-    specials = {name: text for name in SPECIAL_TOKENS
-                if (text := token_string(config.get(name))) is not None}
+    specials = {
+        name: text
+        for name in SPECIAL_TOKENS
+        if (text := token_string(config.get(name))) is not None
+    }
     return ChatTemplate(source, specials)
 
 

@@ -12,6 +12,7 @@ What changes per step (token ids, positions, KV rows and lengths, sampling param
 Philox counters) lives in `StepInputs`; operator versions resolve at each submit, so a hot swap
 reaches the next step.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,8 @@ IDLE = -1  # token, position and KV row of an idle row (gather_rows yields zeros
 class Layout:
     """Where a step's spans sit: see the module docstring."""
 
-    decode: int                             # rows 0..decode-1: KV slots 0..decode-1
-    prefill: tuple[tuple[int, int], ...]    # per longer span: (slot, rows)
+    decode: int  # rows 0..decode-1: KV slots 0..decode-1
+    prefill: tuple[tuple[int, int], ...]  # per longer span: (slot, rows)
 
     @classmethod
     def of(cls, spans: Sequence[Span], slots: int) -> Layout:
@@ -76,18 +77,24 @@ class StepInputs:
 
     def __init__(self, layout: Layout, device: torch.device) -> None:
         n, r = layout.rows, layout.picks
-        sizes = {"tokens": n, "positions": n, "kv_rows": n, "lengths": n, "rng": 3 * r,
-                 "params": 3 * r}
+        sizes = {
+            "tokens": n,
+            "positions": n,
+            "kv_rows": n,
+            "lengths": n,
+            "rng": 3 * r,
+            "params": 3 * r,
+        }
         pinned = device.type == "cuda"
         self.host = torch.empty(sum(sizes.values()), dtype=torch.int32, pin_memory=pinned)
         self.device = self.host.to(device) if pinned else self.host  # the CPU backend reads it
         self.layout = layout
-        self._host: dict[str, np.ndarray] = {}      # numpy views of the pinned copy
+        self._host: dict[str, np.ndarray] = {}  # numpy views of the pinned copy
         self._device: dict[str, torch.Tensor] = {}  # the same words on the device
         at = 0
         for name, size in sizes.items():
-            self._host[name] = self.host[at:at + size].numpy()
-            self._device[name] = self.device[at:at + size]
+            self._host[name] = self.host[at : at + size].numpy()
+            self._device[name] = self.device[at : at + size]
             at += size
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -97,8 +104,14 @@ class StepInputs:
             return view.view(torch.float32).view(-1, 3)
         return view.view(-1, 3) if name == "rng" else view
 
-    def write(self, spans: Sequence[Span], places: np.ndarray, max_len: int,
-              params: torch.Tensor, rng: torch.Tensor) -> None:
+    def write(
+        self,
+        spans: Sequence[Span],
+        places: np.ndarray,
+        max_len: int,
+        params: torch.Tensor,
+        rng: torch.Tensor,
+    ) -> None:
         """Fill the inputs for `spans` at their `places` (Layout.places: first row and logits
         row per span; params float32 and rng int32, [spans, 3] each), idle rows and greedy idle
         picks elsewhere, and copy them to the device."""
@@ -127,23 +140,32 @@ class ProgramOps:
     """MicroOps that record each call into a device program over a layout's rows (see forward.py
     for the contracts; `inputs` holds what changes per step)."""
 
-    def __init__(self, build: ProgramBuilder, config: ModelConfig, pool: KVPool,
-                 inputs: StepInputs, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def __init__(
+        self,
+        build: ProgramBuilder,
+        config: ModelConfig,
+        pool: KVPool,
+        inputs: StepInputs,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
         self.build, self.config, self.pool, self.inputs = build, config, pool, inputs
         self.layout, self.tables = inputs.layout, rotary
-        self.picks = torch.tensor(inputs.layout.picked_rows(), dtype=torch.int32,
-                                  device=pool.keys.device)
+        self.picks = torch.tensor(
+            inputs.layout.picked_rows(), dtype=torch.int32, device=pool.keys.device
+        )
 
-    def _add(self, op: str, *inputs: torch.Tensor, out: torch.Tensor | None = None,
-             **scalars: float) -> torch.Tensor:
+    def _add(
+        self, op: str, *inputs: torch.Tensor, out: torch.Tensor | None = None, **scalars: float
+    ) -> torch.Tensor:
         return self.build.add(OpCall(op, inputs, out=out, scalars=scalars))
 
     def embed(self, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         x = self._add("gather_rows", table, self.inputs["tokens"])
         if positions is None:
             return x
-        return self._add("add", x, self._add("gather_rows", positions, self.inputs["positions"]),
-                         out=x)
+        return self._add(
+            "add", x, self._add("gather_rows", positions, self.inputs["positions"]), out=x
+        )
 
     def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
         eps = self.config.norm_eps
@@ -151,8 +173,9 @@ class ProgramOps:
             return self._add("layernorm", x, norm.weight, norm.bias, eps=eps)
         return self._add("rmsnorm", x, norm.weight, eps=eps)
 
-    def add_norm(self, x: torch.Tensor, y: torch.Tensor,
-                 norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(
+        self, x: torch.Tensor, y: torch.Tensor, norm: Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.config.norm_eps
         if norm.bias is not None:
             return x, self._add("add_layernorm", x, y, norm.weight, norm.bias, eps=eps)
@@ -167,13 +190,18 @@ class ProgramOps:
         cos, sin = self.tables
         return self._add("rotary", x, cos, sin, self.inputs["positions"][:, None], out=x)
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         rows = self.inputs["kv_rows"]
         for new, cache in ((k, self.pool.keys[layer]), (v, self.pool.values[layer])):
             # views, never copies: the program reads these tensors' memory at every run
-            self._add("scatter_rows", new.view(new.shape[0], -1), rows,
-                      out=cache.view(-1, new.shape[1] * new.shape[2]))
+            self._add(
+                "scatter_rows",
+                new.view(new.shape[0], -1),
+                rows,
+                out=cache.view(-1, new.shape[1] * new.shape[2]),
+            )
         out = torch.empty_like(q)
         first = self.layout.decode
         if first:
@@ -183,8 +211,9 @@ class ProgramOps:
             first += n
         return out
 
-    def _attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, rows: slice,
-                slots: slice) -> None:
+    def _attend(
+        self, layer: int, q: torch.Tensor, out: torch.Tensor, rows: slice, slots: slice
+    ) -> None:
         """Attention of q's `rows` over the keys of KV `slots` (one slot per row, or one slot
         that every row reads), each row over its own length."""
         c = self.config
@@ -197,10 +226,19 @@ class ProgramOps:
             return view.expand(n, c.kv_heads, group, *view.shape[-2:])
 
         lengths = self.inputs["lengths"][rows].view(n, 1, 1)
-        self.build.add(OpCall("attention_decode", (q[rows].view(heads), kv(self.pool.keys[layer]),
-                                                   kv(self.pool.values[layer]), lengths),
-                              out=out[rows].view(heads),
-                              scalars={"scale": 1 / math.sqrt(c.head_dim)}))
+        self.build.add(
+            OpCall(
+                "attention_decode",
+                (
+                    q[rows].view(heads),
+                    kv(self.pool.keys[layer]),
+                    kv(self.pool.values[layer]),
+                    lengths,
+                ),
+                out=out[rows].view(heads),
+                scalars={"scale": 1 / math.sqrt(c.head_dim)},
+            )
+        )
 
     def activation(self, h: torch.Tensor, kind: str) -> torch.Tensor:
         if kind == "silu_glu":
@@ -209,8 +247,9 @@ class ProgramOps:
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         picked = self._add("gather_rows", h, self.picks)
-        out = torch.empty((self.layout.picks, head.shape[0]), dtype=torch.float32,
-                          device=head.device)
+        out = torch.empty(
+            (self.layout.picks, head.shape[0]), dtype=torch.float32, device=head.device
+        )
         return self._add("linear", picked, head, out=out)
 
 
@@ -218,17 +257,23 @@ class ProgramOps:
 class StepResult:
     """What a step hands back, per span in the order given."""
 
-    tokens: list[int]                 # the token chosen from the span's last row
-    finite: list[bool]                # whether that row's logits were all finite
-    logits: torch.Tensor | None       # [spans, vocab] fp32 on the CPU, when asked for
+    tokens: list[int]  # the token chosen from the span's last row
+    finite: list[bool]  # whether that row's logits were all finite
+    logits: torch.Tensor | None  # [spans, vocab] fp32 on the CPU, when asked for
 
 
 class StepProgram:
     """The device program of one layout: forward, sampling and a row sum of the logits (a
     non-finite logit makes it non-finite), with its inputs."""
 
-    def __init__(self, rt: Runtime, model: Model, pool: KVPool, layout: Layout,
-                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        model: Model,
+        pool: KVPool,
+        layout: Layout,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
         self.inputs = StepInputs(layout, rt.device)
         ops = ProgramOps(rt.program(), model.config, pool, self.inputs, rotary)
         self.logits = forward(model, ops)
@@ -238,8 +283,15 @@ class StepProgram:
         self.program: Program = ops.build.build()
         self.layout, self.max_len = layout, pool.max_len
 
-    def start(self, rt: Runtime, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor,
-              keep_logits: bool, timeout: float) -> Callable[[], StepResult]:
+    def start(
+        self,
+        rt: Runtime,
+        spans: Sequence[Span],
+        params: torch.Tensor,
+        rng: torch.Tensor,
+        keep_logits: bool,
+        timeout: float,
+    ) -> Callable[[], StepResult]:
         """Write the step's inputs and submit the program; the returned call waits for it and
         reads back the spans' tokens."""
         places = np.array(self.layout.places(spans), dtype=np.int64).reshape(-1, 2)
@@ -252,4 +304,5 @@ class StepProgram:
             tokens, sums = self.tokens.cpu(), self.sums.cpu()
             logits = self.logits[picks].cpu() if keep_logits else None
             return StepResult(tokens[picks].tolist(), sums[picks].isfinite().tolist(), logits)
+
         return result

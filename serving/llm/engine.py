@@ -18,6 +18,7 @@ Requests join and leave at step boundaries. Memory is bounded: a fixed pool of K
 wait in a bounded queue for a free slot (EngineFullError beyond it). `micro_ops="torch"` runs the
 same forward eagerly with torch instead (the benchmark's baseline and the reference).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,10 +64,10 @@ class EngineClosedError(GpuosError):
 class EngineConfig:
     """Knobs of one engine (the `llm:` block of the app's args)."""
 
-    max_running: int = 16         # KV slots: requests decoded together
-    max_len: int | None = None    # tokens one slot holds (prompt + completion); None: model's limit
-    max_waiting: int = 256        # requests queued for a slot beyond this are refused
-    max_step_tokens: int = 512    # new rows one step may take (bounds a step behind a long prompt)
+    max_running: int = 16  # KV slots: requests decoded together
+    max_len: int | None = None  # tokens one slot holds (prompt + completion); None: model's limit
+    max_waiting: int = 256  # requests queued for a slot beyond this are refused
+    max_step_tokens: int = 512  # new rows one step may take (bounds a step behind a long prompt)
     micro_ops: MicroOps = "runtime"  # "torch": launch each micro-op with torch (the baseline)
 
 
@@ -74,11 +75,11 @@ class EngineConfig:
 class Delta:
     """A piece of one request's output, as streamed."""
 
-    text: str                     # new text (may be empty on the final delta)
-    finish_reason: str | None     # None while generating; "stop" or "length" on the last delta
+    text: str  # new text (may be empty on the final delta)
+    finish_reason: str | None  # None while generating; "stop" or "length" on the last delta
     prompt_tokens: int
-    completion_tokens: int        # generated so far
-    error: str | None = None      # set (with finish_reason "error") when the engine failed
+    completion_tokens: int  # generated so far
+    error: str | None = None  # set (with finish_reason "error") when the engine failed
 
 
 class _Stream:
@@ -92,7 +93,8 @@ class _Stream:
         self.token_times: list[float] = []  # time.perf_counter() when each was chosen
         # The consumer's event loop and the queue it reads (async), or None: a thread reads _sync.
         self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Delta]] | None = (
-            (loop, asyncio.Queue()) if loop else None)
+            (loop, asyncio.Queue()) if loop else None
+        )
         self._sync: queue.SimpleQueue[Delta] = queue.SimpleQueue()
 
     def put(self, delta: Delta) -> None:
@@ -128,11 +130,11 @@ class _Request:
     stream: _Stream
     detok: TextStream
     stops: StopMatcher
-    seed: int                     # Philox key of its draws (with the token's index as counter)
+    seed: int  # Philox key of its draws (with the token's index as counter)
     generated: list[int] = field(default_factory=list)
-    slot: int = -1                # KV slot while running
-    cached: int = 0               # tokens whose keys/values are in the slot
-    finished: bool = False        # its last delta was sent: later tokens are dropped
+    slot: int = -1  # KV slot while running
+    cached: int = 0  # tokens whose keys/values are in the slot
+    finished: bool = False  # its last delta was sent: later tokens are dropped
 
     @property
     def cancelled(self) -> bool:
@@ -146,16 +148,17 @@ class _Request:
     def spent(self, eos: frozenset[int], max_len: int) -> bool:
         """Whether its tokens so far end it (eos, max_tokens, the context), before its text is
         looked at: it must not run another row."""
-        done = self.generated and (self.generated[-1] in eos
-                                    or len(self.generated) >= self.params.max_tokens)
+        done = self.generated and (
+            self.generated[-1] in eos or len(self.generated) >= self.params.max_tokens
+        )
         return bool(done) or self.length >= max_len
 
     def pending_tokens(self) -> list[int]:
         """Tokens to feed next: the prompt (rest) first, then the last generated token (no copy
         of the whole sequence: this runs for every request every step)."""
         if self.cached < len(self.prompt):
-            return self.prompt[self.cached:] + self.generated
-        return self.generated[self.cached - len(self.prompt):]
+            return self.prompt[self.cached :] + self.generated
+        return self.generated[self.cached - len(self.prompt) :]
 
     def sampling_row(self) -> tuple[float, float, float]:
         """(temperature, top_p, top_k): its row of sample_tokens' params."""
@@ -167,7 +170,7 @@ class _Step:
     """The step boundary: which requests run and the span of rows each brings."""
 
     requests: tuple[_Request, ...]
-    spans: tuple[Span, ...]       # per request, in order
+    spans: tuple[Span, ...]  # per request, in order
 
     def sampling(self) -> tuple[torch.Tensor, torch.Tensor]:
         """sample_tokens' params (float32) and rng (int32) rows, [requests, 3] each: a request's
@@ -185,8 +188,9 @@ class NonFiniteLogitsError(GpuosError):
 class _Forward(Protocol):
     """How an engine runs a step's forward and sampling."""
 
-    def start(self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor,
-              keep_logits: bool) -> Callable[[], StepResult]:
+    def start(
+        self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool
+    ) -> Callable[[], StepResult]:
         """Start the step; the returned call waits for the tokens (and, when `keep_logits`,
         logits) of each span's last row."""
         ...
@@ -198,12 +202,16 @@ class _TorchForward:
     def __init__(self, model: Model, kv: KVPool) -> None:
         self.model, self.kv = model, kv
 
-    def start(self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor,
-              keep_logits: bool) -> Callable[[], StepResult]:
+    def start(
+        self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool
+    ) -> Callable[[], StepResult]:
         logits = forward(self.model, TorchOps(self.model.config, self.kv, spans))
         tokens = sample_rows(logits, params.to(logits.device), rng.to(logits.device))
-        done = StepResult(tokens.tolist(), logits.isfinite().all(-1).tolist(),
-                          logits.cpu() if keep_logits else None)
+        done = StepResult(
+            tokens.tolist(),
+            logits.isfinite().all(-1).tolist(),
+            logits.cpu() if keep_logits else None,
+        )
         return lambda: done
 
 
@@ -213,13 +221,19 @@ class _ProgramForward:
 
     PROGRAMS = 16  # step programs kept (by layout); the least recently used is dropped beyond
 
-    def __init__(self, runtime: Runtime, model: Model, kv: KVPool,
-                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        model: Model,
+        kv: KVPool,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
         self.runtime, self.model, self.kv, self.rotary = runtime, model, kv, rotary
         self._programs: OrderedDict[Layout, StepProgram] = OrderedDict()
 
-    def start(self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor,
-              keep_logits: bool) -> Callable[[], StepResult]:
+    def start(
+        self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool
+    ) -> Callable[[], StepResult]:
         program = self._program(Layout.of(spans, self.kv.slots))
         return program.start(self.runtime, spans, params, rng, keep_logits, timeout=60)
 
@@ -238,50 +252,72 @@ class Engine:
     """Continuous-batching generation over one model: each step one device program on a runtime
     (or the same forward in torch)."""
 
-    def __init__(self, model: Model, tokenizer: Tokenizer, runtime: Runtime | None,
-                 config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: Tokenizer,
+        runtime: Runtime | None,
+        config: EngineConfig | None = None,
+    ) -> None:
         """`runtime` may be None only with micro_ops="torch" (ValueError otherwise)."""
         self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
         if self.config.micro_ops == "runtime" and runtime is None:
             raise ValueError("micro_ops='runtime' needs a runtime")
-        self.max_len = min(self.config.max_len or model.config.max_positions,
-                           model.config.max_positions)
+        self.max_len = min(
+            self.config.max_len or model.config.max_positions, model.config.max_positions
+        )
         w = model.weights.embed
-        self.kv = KVPool.allocate(model.config, self.config.max_running, self.max_len, w.dtype,
-                                  w.device)
+        self.kv = KVPool.allocate(
+            model.config, self.config.max_running, self.max_len, w.dtype, w.device
+        )
         self._free = list(range(self.config.max_running))  # a heap: the lowest slot goes first,
         # which keeps decode rows (one per slot up to the highest in use) few
         self._forward: _Forward = (
-            _TorchForward(model, self.kv) if runtime is None or self.config.micro_ops == "torch"
-            else _ProgramForward(runtime, model, self.kv, self._rotary_tables()))
+            _TorchForward(model, self.kv)
+            if runtime is None or self.config.micro_ops == "torch"
+            else _ProgramForward(runtime, model, self.kv, self._rotary_tables())
+        )
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._unsent: list[tuple[_Request, int]] = []  # tokens chosen, text not yet emitted
         self._lock = threading.Condition()
         self._closed = False
-        self.steps = self.tokens = 0    # steps run, tokens generated (for /v1/stats)
+        self.steps = self.tokens = 0  # steps run, tokens generated (for /v1/stats)
         self._thread = threading.Thread(target=self._loop, name="gpuos-llm-engine", daemon=True)
         self._thread.start()
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams,
-               loop: asyncio.AbstractEventLoop | None = None, keep_logits: bool = False) -> _Stream:
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop | None = None,
+        keep_logits: bool = False,
+    ) -> _Stream:
         """Queue a request; its deltas arrive on the returned stream (iterate it, or `async for`
         when `loop` is the caller's event loop). Raises PromptTooLongError, EngineFullError."""
         self._check_fits(prompt)
         stream = _Stream(loop, keep_logits)
         seed = secrets.randbits(64) if params.seed is None else params.seed
-        request = _Request(list(prompt), params, stream, self.tokenizer.detokenizer(),
-                           StopMatcher(params.stop), seed)
+        request = _Request(
+            list(prompt),
+            params,
+            stream,
+            self.tokenizer.detokenizer(),
+            StopMatcher(params.stop),
+            seed,
+        )
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
             if len(self._waiting) >= self.config.max_waiting:
-                raise EngineFullError(f"{len(self._waiting)} requests already wait for the engine; "
-                                      "retry later")
+                raise EngineFullError(
+                    f"{len(self._waiting)} requests already wait for the engine; retry later"
+                )
             self._waiting.append(request)
             self._lock.notify()
         return stream
+
     def generate(self, prompt: list[int], params: SamplingParams) -> tuple[str, Delta]:
         """Blocking convenience: the whole completion text and its last delta."""
         deltas = list(self.submit(prompt, params))
@@ -292,17 +328,25 @@ class Engine:
         if not prompt:
             raise PromptTooLongError("the prompt is empty: send at least one token")
         if bad := [t for t in prompt if not 0 <= t < self.model.config.vocab_size]:
-            raise PromptTooLongError(f"token ids {bad[:5]} are outside the vocabulary "
-                                     f"(0..{self.model.config.vocab_size - 1})")
+            raise PromptTooLongError(
+                f"token ids {bad[:5]} are outside the vocabulary "
+                f"(0..{self.model.config.vocab_size - 1})"
+            )
         if len(prompt) + 1 > self.max_len:
-            raise PromptTooLongError(f"the prompt has {len(prompt)} tokens; this engine's context "
-                                     f"holds {self.max_len} (prompt + completion)")
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt)} tokens; this engine's context "
+                f"holds {self.max_len} (prompt + completion)"
+            )
 
     def stats(self) -> dict[str, int]:
         """Requests running and waiting now; steps and tokens so far."""
         with self._lock:
-            return {"running": len(self._running), "waiting": len(self._waiting),
-                    "steps": self.steps, "tokens": self.tokens}
+            return {
+                "running": len(self._running),
+                "waiting": len(self._waiting),
+                "steps": self.steps,
+                "tokens": self.tokens,
+            }
 
     def close(self) -> None:
         """Stop the step thread; requests not finished get an error delta."""
@@ -375,8 +419,9 @@ class Engine:
         c, w = self.model.config, self.model.weights.embed
         if c.rope_theta is None:
             return None
-        cos, sin = rotary_cos_sin(torch.arange(self.max_len, device=w.device), c.head_dim,
-                                  c.rope_theta, c.rope_scaling)
+        cos, sin = rotary_cos_sin(
+            torch.arange(self.max_len, device=w.device), c.head_dim, c.rope_theta, c.rope_scaling
+        )
         half = c.head_dim // 2
         return cos[:, :half].to(w.dtype).contiguous(), sin[:, :half].to(w.dtype).contiguous()
 
@@ -390,9 +435,14 @@ class Engine:
             if r.finished or r.cached != r.length:
                 continue  # ended meanwhile (its row ran for nothing), or a prompt chunk
             if not out.finite[i]:
-                self._finish(r, "", "error", f"{NonFiniteLogitsError.__name__}: the logits of "
-                             f"token {len(r.generated)} hold NaN or infinity (an operator the "
-                             "model uses produced them)")
+                self._finish(
+                    r,
+                    "",
+                    "error",
+                    f"{NonFiniteLogitsError.__name__}: the logits of "
+                    f"token {len(r.generated)} hold NaN or infinity (an operator the "
+                    "model uses produced them)",
+                )
                 continue
             if out.logits is not None and r.stream.logits is not None:
                 r.stream.logits.append(out.logits[i])
@@ -437,4 +487,3 @@ class Engine:
     def _fail(self, requests: Sequence[_Request], message: str) -> None:
         for r in list(requests):
             self._finish(r, "", "error", message)
-

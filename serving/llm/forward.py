@@ -9,6 +9,7 @@ implementations of `MicroOps`:
   `micro_ops: torch` baseline;
 - `ProgramOps` (serving/llm/device_step.py): records the same calls into one device program.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,8 +43,9 @@ class MicroOps(Protocol):
     def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
         """LayerNorm (the norm has a bias) or RMSNorm of each row."""
 
-    def add_norm(self, x: torch.Tensor, y: torch.Tensor,
-                 norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(
+        self, x: torch.Tensor, y: torch.Tensor, norm: Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + y, its norm); x may be updated in place."""
 
     def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
@@ -52,8 +54,9 @@ class MicroOps(Protocol):
     def rotary(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, heads, head_dim] rotated by each row's position; x may be updated in place."""
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         """Store the rows' k, v [N, kv_heads, d] at their slots and positions, then causal
         attention of each row q [N, heads, d] over its own request's keys: [N, heads, d]."""
 
@@ -81,8 +84,9 @@ def forward(model: Model, ops: MicroOps) -> torch.Tensor:
     return ops.logits(h, w.lm_head)
 
 
-def split_heads(c: ModelConfig,
-                qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_heads(
+    c: ModelConfig, qkv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views q [N, heads, d], k, v [N, kv_heads, d] of the fused projection's rows."""
     sizes = [c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim]
     q, k, v = (t.view(qkv.shape[0], -1, c.head_dim) for t in qkv.split(sizes, -1))
@@ -107,8 +111,9 @@ class TorchOps:
     """Eager torch over spans' rows stacked in order (the reference implementation); logits of
     each span's last row, or of every row when `every_row`."""
 
-    def __init__(self, config: ModelConfig, pool: KVPool, spans: Sequence[Span],
-                 every_row: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, pool: KVPool, spans: Sequence[Span], every_row: bool = False
+    ) -> None:
         device = pool.keys.device
         self.config, self.pool, self.spans = config, pool, tuple(spans)
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
@@ -127,8 +132,9 @@ class TorchOps:
     def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
         return normalize(x, norm, self.config.norm_eps)
 
-    def add_norm(self, x: torch.Tensor, y: torch.Tensor,
-                 norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(
+        self, x: torch.Tensor, y: torch.Tensor, norm: Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         s = x + y
         return s, self.norm(s, norm)
 
@@ -140,16 +146,21 @@ class TorchOps:
         assert theta is not None, "rotary() of a model without rotary embeddings"
         return apply_rotary(x, self.positions, theta, self.config.rope_scaling)
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         keys, values = self.pool.keys[layer], self.pool.values[layer]  # [slots, len, kv, d]
         keys[self.slots, self.positions] = k
         values[self.slots, self.positions] = v
         out = torch.empty_like(q)
         for first, s in zip(self.firsts, self.spans):
             rows = slice(first, first + len(s.tokens))
-            out[rows] = attend(q[rows], keys[s.slot, :s.end].transpose(0, 1),
-                               values[s.slot, :s.end].transpose(0, 1), s.start)
+            out[rows] = attend(
+                q[rows],
+                keys[s.slot, : s.end].transpose(0, 1),
+                values[s.slot, : s.end].transpose(0, 1),
+                s.start,
+            )
         return out
 
     def activation(self, h: torch.Tensor, kind: str) -> torch.Tensor:
@@ -162,8 +173,9 @@ class TorchOps:
         return F.linear(h[self.picked], head).float()
 
 
-def forward_tokens(model: Model, tokens: torch.Tensor, cache: KVCache | None = None,
-                   start: int = 0) -> torch.Tensor:
+def forward_tokens(
+    model: Model, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0
+) -> torch.Tensor:
     """Logits [T, vocab] (fp32) of one request's `tokens` [T] at positions start..start+T-1.
 
     With a cache, earlier positions come from it and these tokens' keys/values are stored in it
@@ -174,8 +186,10 @@ def forward_tokens(model: Model, tokens: torch.Tensor, cache: KVCache | None = N
         raise ValueError("without a KV cache the tokens are the whole sequence: start must be 0")
     count, limit = tokens.shape[0], model.config.max_positions
     if start + count > limit:
-        raise KVCacheFullError(f"position {start + count - 1} is past the model's {limit} "
-                               "positions; shorten the prompt or max_tokens")
+        raise KVCacheFullError(
+            f"position {start + count - 1} is past the model's {limit} "
+            "positions; shorten the prompt or max_tokens"
+        )
     cache = cache or model.new_cache(count)
     cache.check_room(start, count)
     span = Span(0, start, tuple(tokens.tolist()))

@@ -18,6 +18,7 @@ The reference functions (`rms_norm`, `layer_norm`, `apply_rotary`, `attend`) tak
 explicit positions; the forward over them is written once in forward.py. Torch only: Hugging Face
 `transformers` is never imported here.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,12 +41,19 @@ from gpuos_core.errors import GpuosError
 log = logging.getLogger("gpuos.llm")
 
 INDEX_FILE = "model.safetensors.index.json"
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
-                                  "bfloat16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 # GPT-2 activation names of Hugging Face mapped to F.gelu's `approximate` argument ("tanh" is
 # gelu_new).
-GPT2_GELU: dict[str, str] = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
-                             "gelu": "none"}
+GPT2_GELU: dict[str, str] = {
+    "gelu_new": "tanh",
+    "gelu_pytorch_tanh": "tanh",
+    "gelu_fast": "tanh",
+    "gelu": "none",
+}
 
 
 class ModelLoadError(GpuosError, ValueError):
@@ -63,22 +71,22 @@ class KVCacheFullError(GpuosError, RuntimeError):
 class ModelConfig:
     """Family-independent shape and numerics of a decoder; what the forward and the engine read."""
 
-    family: str                 # "gpt2" or "llama"
+    family: str  # "gpt2" or "llama"
     vocab_size: int
     hidden: int
     layers: int
-    heads: int                  # query heads
-    kv_heads: int               # key/value heads (== heads for multi-head attention, fewer for GQA)
+    heads: int  # query heads
+    kv_heads: int  # key/value heads (== heads for multi-head attention, fewer for GQA)
     head_dim: int
-    intermediate: int           # MLP inner width
-    max_positions: int          # longest sequence the positions (learned table or rotary) allow
+    intermediate: int  # MLP inner width
+    max_positions: int  # longest sequence the positions (learned table or rotary) allow
     norm_eps: float
-    activation: str             # "gelu_tanh", "gelu" or "silu_glu"
-    rope_theta: float | None    # rotary base; None for learned positions
-    tie_embeddings: bool        # lm_head shares the token embedding
-    eos_token_id: int | None    # the first of config.json's (the tokenizer holds every stop id)
+    activation: str  # "gelu_tanh", "gelu" or "silu_glu"
+    rope_theta: float | None  # rotary base; None for learned positions
+    tie_embeddings: bool  # lm_head shares the token embedding
+    eos_token_id: int | None  # the first of config.json's (the tokenizer holds every stop id)
     rope_scaling: RopeScaling | None = None  # how the rotary frequencies are scaled; None: plain
-    model_type: str = ""        # config.json's model_type (llama, mistral, qwen2, gpt2)
+    model_type: str = ""  # config.json's model_type (llama, mistral, qwen2, gpt2)
 
 
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
@@ -93,15 +101,15 @@ class RopeScaling:
     a sequence reach (the model's positions are max_position_embeddings): its frequencies are
     plain."""
 
-    kind: str                   # one of ROPE_TYPES
+    kind: str  # one of ROPE_TYPES
     factor: float
-    original_max: int           # positions the model was pretrained on
-    low_freq_factor: float = 1.0    # llama3
-    high_freq_factor: float = 4.0   # llama3
-    beta_fast: float = 32.0     # yarn
-    beta_slow: float = 1.0      # yarn
-    truncate: bool = True       # yarn: round the correction range to whole dimensions
-    attention_factor: float = 1.0   # yarn: cos and sin are scaled by it
+    original_max: int  # positions the model was pretrained on
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos and sin are scaled by it
 
 
 @dataclass(frozen=True)
@@ -121,13 +129,29 @@ class GPT2Config:
     def normalise(self) -> ModelConfig:
         """The family-independent config; raises ModelLoadError for an unsupported activation."""
         if self.activation_function not in GPT2_GELU:
-            raise ModelLoadError(f"GPT-2 activation_function {self.activation_function!r} is not "
-                                 f"supported; use one of {sorted(GPT2_GELU)}")
+            raise ModelLoadError(
+                f"GPT-2 activation_function {self.activation_function!r} is not "
+                f"supported; use one of {sorted(GPT2_GELU)}"
+            )
         gelu = "gelu_tanh" if GPT2_GELU[self.activation_function] == "tanh" else "gelu"
-        return ModelConfig("gpt2", self.vocab_size, self.n_embd, self.n_layer, self.n_head,
-                           self.n_head, self.n_embd // self.n_head, self.n_inner or 4 * self.n_embd,
-                           self.n_positions, self.layer_norm_epsilon, gelu, None, True,
-                           self.eos_token_id, None, "gpt2")
+        return ModelConfig(
+            "gpt2",
+            self.vocab_size,
+            self.n_embd,
+            self.n_layer,
+            self.n_head,
+            self.n_head,
+            self.n_embd // self.n_head,
+            self.n_inner or 4 * self.n_embd,
+            self.n_positions,
+            self.layer_norm_epsilon,
+            gelu,
+            None,
+            True,
+            self.eos_token_id,
+            None,
+            "gpt2",
+        )
 
 
 @dataclass(frozen=True)
@@ -147,37 +171,58 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float | None = None
     rope_scaling: dict[str, Any] | None = None
-    rope_parameters: dict[str, Any] | None = None   # transformers 5: rope_theta and scaling
+    rope_parameters: dict[str, Any] | None = None  # transformers 5: rope_theta and scaling
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     sliding_window: int | None = None
-    use_sliding_window: bool | None = None          # qwen2: the window is off unless this is true
+    use_sliding_window: bool | None = None  # qwen2: the window is off unless this is true
     eos_token_id: int | list[int] | None = 2
 
     def normalise(self) -> ModelConfig:
         """The family-independent config; raises ModelLoadError for features the forward lacks."""
         if self.hidden_act != "silu":
-            raise ModelLoadError(f"{self.model_type} hidden_act {self.hidden_act!r} is not "
-                                 "supported (only silu)")
+            raise ModelLoadError(
+                f"{self.model_type} hidden_act {self.hidden_act!r} is not supported (only silu)"
+            )
         theta, scaling = self._rope()
         eos = self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
         heads = self.num_attention_heads
-        return ModelConfig("llama", self.vocab_size, self.hidden_size, self.num_hidden_layers,
-                           heads, self.num_key_value_heads or heads,
-                           self.head_dim or self.hidden_size // heads, self.intermediate_size,
-                           self._positions(), self.rms_norm_eps, "silu_glu", theta,
-                           self.tie_word_embeddings, eos, scaling, self.model_type)
+        return ModelConfig(
+            "llama",
+            self.vocab_size,
+            self.hidden_size,
+            self.num_hidden_layers,
+            heads,
+            self.num_key_value_heads or heads,
+            self.head_dim or self.hidden_size // heads,
+            self.intermediate_size,
+            self._positions(),
+            self.rms_norm_eps,
+            "silu_glu",
+            theta,
+            self.tie_word_embeddings,
+            eos,
+            scaling,
+            self.model_type,
+        )
 
     def _positions(self) -> int:
         """max_position_embeddings, or the sliding window when it is shorter: within the window,
         sliding-window attention is full causal attention, which is what the forward computes."""
-        on = bool(self.use_sliding_window) if self.model_type == "qwen2" else (
-            self.use_sliding_window is not False)
+        on = (
+            bool(self.use_sliding_window)
+            if self.model_type == "qwen2"
+            else (self.use_sliding_window is not False)
+        )
         window = self.sliding_window if on else None
         if window and window < self.max_position_embeddings:
-            log.warning("%s uses sliding-window attention (window %d): sequences are limited to %d "
-                        "tokens", self.model_type, window, window)
+            log.warning(
+                "%s uses sliding-window attention (window %d): sequences are limited to %d tokens",
+                self.model_type,
+                window,
+                window,
+            )
             return window
         return self.max_position_embeddings
 
@@ -188,24 +233,32 @@ class LlamaConfig:
         raw = self.rope_scaling or params
         kind = raw.get("rope_type") or raw.get("type") or "default"
         if raw.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ModelLoadError("partial_rotary_factor is not supported (the whole head is "
-                                 "rotated)")
+            raise ModelLoadError(
+                "partial_rotary_factor is not supported (the whole head is rotated)"
+            )
         if kind == "default":
             return theta, None
         if kind not in ROPE_TYPES:
-            raise ModelLoadError(f"rope type {kind!r} is not supported; supported: "
-                                 f"{['default', *ROPE_TYPES]}")
+            raise ModelLoadError(
+                f"rope type {kind!r} is not supported; supported: {['default', *ROPE_TYPES]}"
+            )
         factor = float(raw.get("factor") or 1.0)
         original = int(raw.get("original_max_position_embeddings") or self.max_position_embeddings)
         scaling = RopeScaling(kind, factor, original)
         if kind == "llama3":
-            scaling = replace(scaling, low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-                              high_freq_factor=float(raw.get("high_freq_factor", 4.0)))
+            scaling = replace(
+                scaling,
+                low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+            )
         if kind == "yarn":
-            scaling = replace(scaling, beta_fast=float(raw.get("beta_fast") or 32),
-                              beta_slow=float(raw.get("beta_slow") or 1),
-                              truncate=bool(raw.get("truncate", True)),
-                              attention_factor=_yarn_attention_factor(raw, factor))
+            scaling = replace(
+                scaling,
+                beta_fast=float(raw.get("beta_fast") or 32),
+                beta_slow=float(raw.get("beta_slow") or 1),
+                truncate=bool(raw.get("truncate", True)),
+                attention_factor=_yarn_attention_factor(raw, factor),
+            )
         return theta, scaling
 
 
@@ -223,7 +276,11 @@ def _yarn_attention_factor(raw: dict[str, Any], factor: float) -> float:
 
 
 FAMILIES: dict[str, type[GPT2Config] | type[LlamaConfig]] = {
-    "gpt2": GPT2Config, "llama": LlamaConfig, "mistral": LlamaConfig, "qwen2": LlamaConfig}
+    "gpt2": GPT2Config,
+    "llama": LlamaConfig,
+    "mistral": LlamaConfig,
+    "qwen2": LlamaConfig,
+}
 
 
 def family_of(raw: dict[str, Any]) -> str:
@@ -270,10 +327,10 @@ class LayerWeights:
     """One decoder block."""
 
     attn_norm: Norm
-    qkv: Linear                 # rows: heads*head_dim queries, kv_heads*head_dim keys, values
+    qkv: Linear  # rows: heads*head_dim queries, kv_heads*head_dim keys, values
     o: Linear
     mlp_norm: Norm
-    up: Linear                  # gpt2: c_fc; llama: gate rows then up rows (2*intermediate)
+    up: Linear  # gpt2: c_fc; llama: gate rows then up rows (2*intermediate)
     down: Linear
 
 
@@ -281,11 +338,11 @@ class LayerWeights:
 class Weights:
     """All parameters of a decoder in the normalised layout."""
 
-    embed: torch.Tensor             # [vocab, hidden]
+    embed: torch.Tensor  # [vocab, hidden]
     positions: torch.Tensor | None  # [max_positions, hidden] learned (gpt2); None with rotary
     layers: list[LayerWeights]
     final_norm: Norm
-    lm_head: torch.Tensor           # [vocab, hidden]; the same tensor as `embed` when tied
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as `embed` when tied
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every parameter tensor once (the tied lm_head is not repeated)."""
@@ -341,8 +398,9 @@ def _fused(get: TensorSource, *names: str) -> Linear:
     del weights
     if not any(f"{name}.bias" in get for name in names):
         return Linear(weight)
-    biases = [get(f"{n}.bias") if f"{n}.bias" in get else weight.new_zeros(r)
-              for n, r in zip(names, rows)]
+    biases = [
+        get(f"{n}.bias") if f"{n}.bias" in get else weight.new_zeros(r) for n, r in zip(names, rows)
+    ]
     return Linear(weight, torch.cat(biases))
 
 
@@ -353,9 +411,14 @@ def _layer_norm(get: TensorSource, name: str) -> Norm:
 def _gpt2_layer(get: TensorSource, i: int) -> LayerWeights:
     """GPT-2 block i from HF tensors."""
     p = f"transformer.h.{i}."
-    return LayerWeights(_layer_norm(get, p + "ln_1"), _conv1d(get, p + "attn.c_attn"),
-                        _conv1d(get, p + "attn.c_proj"), _layer_norm(get, p + "ln_2"),
-                        _conv1d(get, p + "mlp.c_fc"), _conv1d(get, p + "mlp.c_proj"))
+    return LayerWeights(
+        _layer_norm(get, p + "ln_1"),
+        _conv1d(get, p + "attn.c_attn"),
+        _conv1d(get, p + "attn.c_proj"),
+        _layer_norm(get, p + "ln_2"),
+        _conv1d(get, p + "mlp.c_fc"),
+        _conv1d(get, p + "mlp.c_proj"),
+    )
 
 
 def _llama_layer(get: TensorSource, i: int) -> LayerWeights:
@@ -363,20 +426,23 @@ def _llama_layer(get: TensorSource, i: int) -> LayerWeights:
     each."""
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
-    return LayerWeights(Norm(get(p + "input_layernorm.weight")),
-                        _fused(get, attn + "q_proj", attn + "k_proj", attn + "v_proj"),
-                        _fused(get, attn + "o_proj"),
-                        Norm(get(p + "post_attention_layernorm.weight")),
-                        _fused(get, mlp + "gate_proj", mlp + "up_proj"),
-                        _fused(get, mlp + "down_proj"))
+    return LayerWeights(
+        Norm(get(p + "input_layernorm.weight")),
+        _fused(get, attn + "q_proj", attn + "k_proj", attn + "v_proj"),
+        _fused(get, attn + "o_proj"),
+        Norm(get(p + "post_attention_layernorm.weight")),
+        _fused(get, mlp + "gate_proj", mlp + "up_proj"),
+        _fused(get, mlp + "down_proj"),
+    )
 
 
 def weights_from_hf(config: ModelConfig, get: TensorSource, progress: str | None = None) -> Weights:
     """Build Weights from a TensorSource (ModelLoadError for a missing name), layer by layer; a
     progress bar (tqdm, on stderr) labelled `progress` unless it is None."""
     layer = _gpt2_layer if config.family == "gpt2" else _llama_layer
-    bar = tqdm(total=config.layers, desc=progress, unit="layer", disable=progress is None,
-               mininterval=0.5)
+    bar = tqdm(
+        total=config.layers, desc=progress, unit="layer", disable=progress is None, mininterval=0.5
+    )
     layers = []
     with bar:
         for i in range(config.layers):
@@ -398,8 +464,13 @@ def _gpt2_to_hf(w: Weights) -> dict[str, torch.Tensor]:
         out["transformer.ln_f.bias"] = w.final_norm.bias
     for i, lw in enumerate(w.layers):
         parts: dict[str, Linear | Norm] = {
-            "ln_1": lw.attn_norm, "attn.c_attn": lw.qkv, "attn.c_proj": lw.o, "ln_2": lw.mlp_norm,
-            "mlp.c_fc": lw.up, "mlp.c_proj": lw.down}
+            "ln_1": lw.attn_norm,
+            "attn.c_attn": lw.qkv,
+            "attn.c_proj": lw.o,
+            "ln_2": lw.mlp_norm,
+            "mlp.c_fc": lw.up,
+            "mlp.c_proj": lw.down,
+        }
         for name, part in parts.items():
             weight = part.weight.t() if isinstance(part, Linear) else part.weight
             out[f"transformer.h.{i}.{name}.weight"] = weight.contiguous()
@@ -415,18 +486,28 @@ def _llama_to_hf(w: Weights, config: ModelConfig) -> dict[str, torch.Tensor]:
     q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."
-        splits = {"self_attn.": (lw.qkv, [q, kv, kv], ("q_proj", "k_proj", "v_proj")),
-                  "self_attn.o": (lw.o, [config.hidden], ("_proj",)),
-                  "mlp.": (lw.up, [config.intermediate] * 2, ("gate_proj", "up_proj")),
-                  "mlp.down": (lw.down, [config.hidden], ("_proj",))}
+        splits = {
+            "self_attn.": (lw.qkv, [q, kv, kv], ("q_proj", "k_proj", "v_proj")),
+            "self_attn.o": (lw.o, [config.hidden], ("_proj",)),
+            "mlp.": (lw.up, [config.intermediate] * 2, ("gate_proj", "up_proj")),
+            "mlp.down": (lw.down, [config.hidden], ("_proj",)),
+        }
         for prefix, (linear, sizes, names) in splits.items():
             for part in ("weight", "bias"):
                 tensor = getattr(linear, part)
                 if tensor is not None:
-                    out.update({f"{p}{prefix}{n}.{part}": t.contiguous()
-                                for n, t in zip(names, tensor.split(sizes))})
-        out.update({p + "input_layernorm.weight": lw.attn_norm.weight,
-                    p + "post_attention_layernorm.weight": lw.mlp_norm.weight})
+                    out.update(
+                        {
+                            f"{p}{prefix}{n}.{part}": t.contiguous()
+                            for n, t in zip(names, tensor.split(sizes))
+                        }
+                    )
+        out.update(
+            {
+                p + "input_layernorm.weight": lw.attn_norm.weight,
+                p + "post_attention_layernorm.weight": lw.mlp_norm.weight,
+            }
+        )
     return out
 
 
@@ -445,15 +526,20 @@ def _shard_files(path: Path) -> list[Path]:
         return [path / name for name in dict.fromkeys(weight_map.values())]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{path} has no *.safetensors file (nor {INDEX_FILE}); save the "
-                             "model with safetensors (save_pretrained(..., "
-                             "safe_serialization=True))")
+        raise ModelLoadError(
+            f"{path} has no *.safetensors file (nor {INDEX_FILE}); save the "
+            "model with safetensors (save_pretrained(..., "
+            "safe_serialization=True))"
+        )
     return files
 
 
 # safetensors' dtype names of the floating dtypes a model may be served in
-STORED_DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16,
-                                         "BF16": torch.bfloat16}
+STORED_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
 
 
 class Checkpoint:
@@ -486,14 +572,16 @@ class Checkpoint:
         """The dtype tensor `name` is stored in (float32 for one that is not fp32/fp16/bf16)."""
         handle, key = self._where[name] if name in self._where else (None, "")
         if handle is None:
-            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the safetensors "
-                                 "files")
+            raise ModelLoadError(
+                f"{self.path}: tensor {name!r} is missing from the safetensors files"
+            )
         return STORED_DTYPES.get(handle.get_slice(key).get_dtype(), torch.float32)
 
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self._where:
-            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the safetensors "
-                                 "files")
+            raise ModelLoadError(
+                f"{self.path}: tensor {name!r} is missing from the safetensors files"
+            )
         handle, key = self._where[name]
         tensor = handle.get_tensor(key)
         return tensor.to(self.dtype) if self.dtype is not None else tensor
@@ -510,8 +598,9 @@ def read_tensors(path: Path, dtype: torch.dtype | None, device: str) -> dict[str
         return {name: checkpoint(name) for name in checkpoint._where}
 
 
-def save_pretrained(path: str | Path, raw_config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                    shards: int = 1) -> Path:
+def save_pretrained(
+    path: str | Path, raw_config: dict[str, Any], tensors: dict[str, torch.Tensor], shards: int = 1
+) -> Path:
     """Write config.json and the tensors as Hugging Face safetensors (an index file when
     shards > 1)."""
     path = Path(path)
@@ -519,11 +608,15 @@ def save_pretrained(path: str | Path, raw_config: dict[str, Any], tensors: dict[
     (path / "config.json").write_text(json.dumps(raw_config, indent=2))
     names = list(tensors)
     groups = [names[i::shards] for i in range(shards)]
-    files = (["model.safetensors"] if shards == 1 else
-             [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)])
+    files = (
+        ["model.safetensors"]
+        if shards == 1
+        else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    )
     for file, group in zip(files, groups):
-        save_file({k: tensors[k].contiguous() for k in group}, str(path / file),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: tensors[k].contiguous() for k in group}, str(path / file), metadata={"format": "pt"}
+        )
     if shards > 1:
         weight_map = {k: file for file, group in zip(files, groups) for k in group}
         index = {"metadata": {}, "weight_map": weight_map}
@@ -540,8 +633,12 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str = "cpu",
-               progress: bool = False) -> Model:
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: str = "cpu",
+    progress: bool = False,
+) -> Model:
     """Load a model (GPT-2, Llama, Mistral, Qwen2) from a Hugging Face-format directory.
 
     `dtype` None keeps the checkpoint's (that of its token embedding; every tensor is cast to it).
@@ -552,42 +649,80 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     """
     path = Path(path)
     if not (path / "config.json").exists():
-        raise ModelLoadError(f"{path} has no config.json; point the model path at a Hugging Face "
-                             "model directory")
+        raise ModelLoadError(
+            f"{path} has no config.json; point the model path at a Hugging Face model directory"
+        )
     config = parse_config(json.loads((path / "config.json").read_text()))
     with Checkpoint(path, device) as checkpoint:
         embed = "transformer.wte.weight" if config.family == "gpt2" else "model.embed_tokens.weight"
         checkpoint.dtype = _dtype(dtype) or checkpoint.stored_dtype(embed)
         size = sum(f.stat().st_size for f in checkpoint.files) / 2**20
-        log.info("loading %s: %d safetensors file(s), %.1f MiB, as %s", path.name,
-                 len(checkpoint.files), size, checkpoint.dtype)
+        log.info(
+            "loading %s: %d safetensors file(s), %.1f MiB, as %s",
+            path.name,
+            len(checkpoint.files),
+            size,
+            checkpoint.dtype,
+        )
         label = f"loading {path.name} ({len(checkpoint.files)} shards)" if progress else None
         weights = weights_from_hf(config, checkpoint, label)
     params = sum(t.numel() for t in weights.tensors())
-    log.info("loaded %s: %s (%s), %d layers, hidden %d, %.1fM parameters, %s", path.name,
-             config.model_type or config.family, config.family, config.layers, config.hidden,
-             params / 1e6, weights.embed.dtype)
+    log.info(
+        "loaded %s: %s (%s), %d layers, hidden %d, %.1fM parameters, %s",
+        path.name,
+        config.model_type or config.family,
+        config.family,
+        config.layers,
+        config.hidden,
+        params / 1e6,
+        weights.embed.dtype,
+    )
     return Model(config, weights)
 
 
 # ------------------------------------------------------------------------------------- tiny models
 TINY: dict[str, dict[str, Any]] = {
-    "gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 256,
-             "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
-             "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new", "bos_token_id": 0,
-             "eos_token_id": 0, "torch_dtype": "float32"},
-    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
-              "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 128, "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": False,
-              "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "float32"},
+    "gpt2": {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": 256,
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 128,
+        "layer_norm_epsilon": 1e-5,
+        "activation_function": "gelu_new",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "torch_dtype": "float32",
+    },
+    "llama": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "torch_dtype": "float32",
+    },
 }
 
 
 # The tiny models' tokenizer is bytes (no tokenizer.json); their chat template writes plain text.
-TINY_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: "
-                      "{{ message['content'] }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}assistant:{% endif %}")
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 TINY_TOKENIZER: dict[str, Any] = {"chat_template": TINY_CHAT_TEMPLATE, "model_max_length": 128}
 
 
@@ -600,6 +735,7 @@ def _random_norm(hidden: int, gen: torch.Generator, biased: bool) -> Norm:
 def _random_layer(config: ModelConfig, gen: torch.Generator, biased: bool) -> LayerWeights:
     """A block with weights scaled 1/sqrt(fan_in) so activations stay O(1) and every weight
     matters."""
+
     def lin(out: int, inp: int) -> Linear:
         bias = torch.randn(out, generator=gen) * 0.1 if biased else None
         return Linear(torch.randn(out, inp, generator=gen) / math.sqrt(inp), bias)
@@ -608,8 +744,14 @@ def _random_layer(config: ModelConfig, gen: torch.Generator, biased: bool) -> La
     up = config.intermediate * (2 if config.activation == "silu_glu" else 1)
     attn_norm, mlp_norm = (_random_norm(config.hidden, gen, biased) for _ in range(2))
     attn_out = lin(config.hidden, config.heads * config.head_dim)
-    return LayerWeights(attn_norm, lin(qkv, config.hidden), attn_out, mlp_norm,
-                        lin(up, config.hidden), lin(config.hidden, config.intermediate))
+    return LayerWeights(
+        attn_norm,
+        lin(qkv, config.hidden),
+        attn_out,
+        mlp_norm,
+        lin(up, config.hidden),
+        lin(config.hidden, config.intermediate),
+    )
 
 
 def random_weights(config: ModelConfig, seed: int) -> Weights:
@@ -619,12 +761,16 @@ def random_weights(config: ModelConfig, seed: int) -> Weights:
     layers = [_random_layer(config, gen, biased) for _ in range(config.layers)]
     # 1/sqrt(hidden): with GPT-2's tied head, logits are then O(1), so sampling is not one-hot.
     embed = torch.randn(config.vocab_size, config.hidden, generator=gen) / math.sqrt(config.hidden)
-    positions = (torch.randn(config.max_positions, config.hidden, generator=gen) * 0.5
-                 if biased else None)
+    positions = (
+        torch.randn(config.max_positions, config.hidden, generator=gen) * 0.5 if biased else None
+    )
     final = _random_norm(config.hidden, gen, biased)
     shape = (config.vocab_size, config.hidden)
-    head = (embed if config.tie_embeddings
-            else torch.randn(shape, generator=gen) / math.sqrt(config.hidden))
+    head = (
+        embed
+        if config.tie_embeddings
+        else torch.randn(shape, generator=gen) / math.sqrt(config.hidden)
+    )
     return Weights(embed, positions, layers, final, head)
 
 
@@ -651,8 +797,14 @@ class KVPool:
     values: torch.Tensor
 
     @classmethod
-    def allocate(cls, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> KVPool:
+    def allocate(
+        cls,
+        config: ModelConfig,
+        slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> KVPool:
         shape = (config.layers, slots, max_len, config.kv_heads, config.head_dim)
         return cls(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(2)))
 
@@ -681,12 +833,16 @@ class KVCache:
     def check_room(self, start: int, count: int) -> None:
         """Raise unless positions start..start+count-1 fit and `start` leaves no gap."""
         if start > self.length:
-            raise ValueError(f"start {start} is past the cache's {self.length} valid tokens; "
-                             "positions must be contiguous")
+            raise ValueError(
+                f"start {start} is past the cache's {self.length} valid tokens; "
+                "positions must be contiguous"
+            )
         if start + count > self.max_len:
-            raise KVCacheFullError(f"KV cache holds {self.max_len} tokens; writing {count} at "
-                                   f"position {start} needs {start + count}: allocate a longer "
-                                   "cache or finish the request")
+            raise KVCacheFullError(
+                f"KV cache holds {self.max_len} tokens; writing {count} at "
+                f"position {start} needs {start + count}: allocate a longer "
+                "cache or finish the request"
+            )
 
 
 # ----------------------------------------------------------------------------- reference functions
@@ -707,12 +863,16 @@ def normalize(x: torch.Tensor, norm: Norm, eps: float) -> torch.Tensor:
     return layer_norm(x, norm, eps) if norm.bias is not None else rms_norm(x, norm, eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
-                  device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, float]:
     """The rotary inverse frequencies [head_dim / 2] (fp32) and the factor cos and sin are scaled
     by, as Hugging Face computes them for each rope type (modeling_rope_utils)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    inv_freq = 1.0 / theta ** exponents
+    inv_freq = 1.0 / theta**exponents
     if scaling is None or scaling.kind == "dynamic":  # dynamic: plain within original_max positions
         return inv_freq, 1.0
     factor = scaling.factor
@@ -723,30 +883,37 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
         high_wavelen = scaling.original_max / scaling.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = ((scaling.original_max / wavelen - scaling.low_freq_factor)
-                  / (scaling.high_freq_factor - scaling.low_freq_factor))
+        smooth = (scaling.original_max / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
+
     # yarn: interpolate the low frequencies, extrapolate the high ones, ramp between
     def correction(rotations: float) -> float:
-        return (head_dim * math.log(scaling.original_max / (rotations * 2 * math.pi))
-                / (2 * math.log(theta)))
+        return (
+            head_dim
+            * math.log(scaling.original_max / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
 
     low, high = correction(scaling.beta_fast), correction(scaling.beta_slow)
     if scaling.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
     high = high + 0.001 if low == high else high
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low)
-            / (high - low)).clamp(0, 1)
+    ramp = (
+        (torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)
+    ).clamp(0, 1)
     extrapolate = 1 - ramp
     inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
     return inv_freq, scaling.attention_factor
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                   scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [N, head_dim] (fp32) of rotary embedding for `positions` [N], HF's half-split
     layout, with `scaling`'s frequencies (and YaRN's attention factor folded into both)."""
     inv_freq, attention = rope_inv_freq(head_dim, theta, scaling, positions.device)
@@ -757,11 +924,13 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     return emb.cos() * attention, emb.sin() * attention
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float,
-                 scaling: RopeScaling | None = None) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, scaling: RopeScaling | None = None
+) -> torch.Tensor:
     """Rotate x [N, heads, head_dim] by its row's position (rotate-half convention of HF Llama)."""
-    cos, sin = (t[:, None, :].to(x.dtype) for t in rotary_cos_sin(positions, x.shape[-1], theta,
-                                                                   scaling))
+    cos, sin = (
+        t[:, None, :].to(x.dtype) for t in rotary_cos_sin(positions, x.shape[-1], theta, scaling)
+    )
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 

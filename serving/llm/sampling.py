@@ -5,6 +5,7 @@ The draw itself is the `sample_tokens` operator (cuda/ops/sample.cuh; gpuos_core
 torch): Philox keyed by the request's seed with its token's index as counter, so a request's tokens
 depend only on its own seed and distributions, never on which other requests share its batch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -13,8 +14,8 @@ from typing import Any
 
 from gpuos_core.errors import GpuosError
 
-MAX_STOPS = 4                   # OpenAI's limit on stop strings per request
-INCOMPLETE = "\ufffd"           # what decode shows for a UTF-8 sequence that later tokens complete
+MAX_STOPS = 4  # OpenAI's limit on stop strings per request
+INCOMPLETE = "\ufffd"  # what decode shows for a UTF-8 sequence that later tokens complete
 
 
 class SamplingError(GpuosError, ValueError):
@@ -51,29 +52,50 @@ class SamplingParams:
     """How one request chooses its tokens and when it ends; every field is checked at
     construction."""
 
-    max_tokens: int = 16            # tokens to generate at most; >= 1
-    temperature: float = 1.0        # in [0, 2]; 0 is greedy (argmax)
-    top_p: float = 1.0              # in (0, 1]; nucleus mass kept, 1 = off
-    top_k: int = 0                  # >= 0; highest-probability tokens kept, 0 = off
-    seed: int | None = None         # makes this request's draws reproducible; None: fresh ones
-    stop: tuple[str, ...] = ()      # up to MAX_STOPS non-empty strings that end the completion
+    max_tokens: int = 16  # tokens to generate at most; >= 1
+    temperature: float = 1.0  # in [0, 2]; 0 is greedy (argmax)
+    top_p: float = 1.0  # in (0, 1]; nucleus mass kept, 1 = off
+    top_k: int = 0  # >= 0; highest-probability tokens kept, 0 = off
+    seed: int | None = None  # makes this request's draws reproducible; None: fresh ones
+    stop: tuple[str, ...] = ()  # up to MAX_STOPS non-empty strings that end the completion
 
     def __post_init__(self) -> None:
         """Raises SamplingError naming the first bad field and its allowed range."""
         # frozen: a list becomes a hashable tuple
         object.__setattr__(self, "stop", _as_stops(self.stop))
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1",
-                 self.max_tokens)
-        _require(_is_real(self.temperature) and 0 <= self.temperature <= 2, "temperature",
-                 "a number in [0, 2]", self.temperature)
-        _require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]",
-                 self.top_p)
-        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)",
-                 self.top_k)
-        _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64), "seed",
-                 "None or an integer in [0, 2**64)", self.seed)
-        _require(len(self.stop) <= MAX_STOPS and all(isinstance(s, str) and s for s in self.stop),
-                 "stop", f"at most {MAX_STOPS} non-empty strings", list(self.stop))
+        _require(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            "an integer >= 1",
+            self.max_tokens,
+        )
+        _require(
+            _is_real(self.temperature) and 0 <= self.temperature <= 2,
+            "temperature",
+            "a number in [0, 2]",
+            self.temperature,
+        )
+        _require(
+            _is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p
+        )
+        _require(
+            _is_int(self.top_k) and self.top_k >= 0,
+            "top_k",
+            "an integer >= 0 (0 = off)",
+            self.top_k,
+        )
+        _require(
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
+            "seed",
+            "None or an integer in [0, 2**64)",
+            self.seed,
+        )
+        _require(
+            len(self.stop) <= MAX_STOPS and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            f"at most {MAX_STOPS} non-empty strings",
+            list(self.stop),
+        )
 
 
 class StopMatcher:
@@ -95,7 +117,7 @@ class StopMatcher:
         text = self.held + delta
         if starts := [i for stop in self.stops if (i := text.find(stop)) >= 0]:
             self.held = ""
-            return text[:min(starts)], True
+            return text[: min(starts)], True
         cut = len(text) - self._partial(text)
         self.held = text[cut:]
         return text[:cut], False
@@ -106,8 +128,15 @@ class StopMatcher:
 
     def _partial(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of some stop string."""
-        return max((n for stop in self.stops for n in range(1, min(len(stop), len(text) + 1))
-                    if text.endswith(stop[:n])), default=0)
+        return max(
+            (
+                n
+                for stop in self.stops
+                for n in range(1, min(len(stop), len(text) + 1))
+                if text.endswith(stop[:n])
+            ),
+            default=0,
+        )
 
 
 class Detokenizer:
@@ -126,13 +155,13 @@ class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.prefix = self.read = 0      # window start; end of the ids already emitted
+        self.prefix = self.read = 0  # window start; end of the ids already emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix :])
         if text.endswith(INCOMPLETE) or len(text) <= len(before):
-            return ""                    # incomplete character, or a token with no text (special)
+            return ""  # incomplete character, or a token with no text (special)
         self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before):]
+        return text[len(before) :]

@@ -17,6 +17,7 @@ Hugging
 Face tokenizer; decoded text leaves every special token out. Text is streamed through
 `tokenizers.decoders.DecodeStream` (`detokenizer()`), which decodes each new token in constant time.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,9 +40,9 @@ class TextStream(Protocol):
 class Tokenizer(Protocol):
     """What the engine and the API need of a tokenizer."""
 
-    eos_id: int | None          # the main id that ends a completion; None when the model has none
-    eos_ids: frozenset[int]     # every id that ends a completion (eos_id among them)
-    bos_id: int | None          # beginning-of-sequence id, if the model has one
+    eos_id: int | None  # the main id that ends a completion; None when the model has none
+    eos_ids: frozenset[int]  # every id that ends a completion (eos_id among them)
+    bos_id: int | None  # beginning-of-sequence id, if the model has one
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of `text`; with `add_special_tokens` the BOS token (etc.) a prompt starts with."""
@@ -94,8 +95,13 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` from tokenizer.json, with the BOS/EOS ids of the files beside
     it."""
 
-    def __init__(self, inner: Any, eos_id: int | None, eos_ids: frozenset[int] | None = None,
-                 bos_id: int | None = None) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        eos_id: int | None,
+        eos_ids: frozenset[int] | None = None,
+        bos_id: int | None = None,
+    ) -> None:
         self.inner, self.eos_id, self.bos_id = inner, eos_id, bos_id
         self.eos_ids = frozenset(eos_ids or ()) | ({eos_id} if eos_id is not None else set())
 
@@ -160,10 +166,12 @@ def load_generation_config(path: str | Path) -> GenerationConfig:
     if sampled is False and temperature is not None:
         temperature = None  # transformers ignores the sampling knobs when do_sample is false
     top_p, top_k = (raw.get(k) if sampled is not False else None for k in ("top_p", "top_k"))
-    return GenerationConfig(_ids(raw.get("eos_token_id")),
-                            float(temperature) if temperature is not None else None,
-                            float(top_p) if top_p is not None else None,
-                            int(top_k) if top_k is not None else None)
+    return GenerationConfig(
+        _ids(raw.get("eos_token_id")),
+        float(temperature) if temperature is not None else None,
+        float(top_p) if top_p is not None else None,
+        int(top_k) if top_k is not None else None,
+    )
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -178,6 +186,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         byte_eos = first if isinstance(first, int) else (min(eos_ids) if eos_ids else 0)
         return ByteTokenizer(byte_eos, eos_ids)
     from tokenizers import Tokenizer as HFInner
+
     inner = HFInner.from_file(str(path / "tokenizer.json"))
 
     def special(name: str) -> int | None:

@@ -1,5 +1,6 @@
 """The CUDA backend's own guarantees: the leased worker co-runs with torch, expires and comes back,
 the ring wraps and pushes back, large tasks are tiled, and a stalled worker raises."""
+
 from __future__ import annotations
 
 import threading
@@ -8,8 +9,14 @@ import time
 import pytest
 import torch
 
-from gpuos_core import (CanaryCrashError, CanaryMismatchError, CudaConfig, OpCall,
-                        Runtime, RuntimeConfig)
+from gpuos_core import (
+    CanaryCrashError,
+    CanaryMismatchError,
+    CudaConfig,
+    OpCall,
+    Runtime,
+    RuntimeConfig,
+)
 from gpuos_core.errors import StalledWorkerError, TaskFailedError
 
 pytestmark = pytest.mark.gpu
@@ -64,8 +71,9 @@ def test_the_worker_lease_expires_and_work_relaunches_it() -> None:
 def test_the_ring_wraps_and_pushes_back_without_losing_records() -> None:
     with cuda_runtime(capacity=64) as rt:
         x = torch.randn(777, device="cuda")
-        batches = [rt.submit([rt.prepare(OpCall("add", (x, x))) for _ in range(40)])
-                   for _ in range(25)]  # 1000 records through 64 slots
+        batches = [
+            rt.submit([rt.prepare(OpCall("add", (x, x))) for _ in range(40)]) for _ in range(25)
+        ]  # 1000 records through 64 slots
         for batch in batches:
             assert all(torch.equal(out, x + x) for out in batch.wait(30).results())
         big = rt.submit([rt.prepare(OpCall("add", (x, x))) for _ in range(650)])  # 10x the ring
@@ -77,14 +85,17 @@ def test_large_tasks_are_tiled_across_blocks(rt: Runtime) -> None:
     task = rt.prepare(OpCall("gelu", (x,)))
     assert len(task.records) > 100
     out = rt.submit([task]).wait(30).result(0)
-    torch.testing.assert_close(out, torch.nn.functional.gelu(x.float()).half(), atol=2e-3,
-                               rtol=2e-3)
+    torch.testing.assert_close(
+        out, torch.nn.functional.gelu(x.float()).half(), atol=2e-3, rtol=2e-3
+    )
     rows = torch.randn(5000, 700, device="cuda")
     torch.testing.assert_close(rt.run("softmax", rows), torch.softmax(rows, -1))
 
 
 def test_a_stalled_worker_raises_instead_of_hanging() -> None:
-    config = RuntimeConfig(backend="cuda", allow_raw_cuda=True, cuda=CudaConfig(stall_timeout_s=0.02))
+    config = RuntimeConfig(
+        backend="cuda", allow_raw_cuda=True, cuda=CudaConfig(stall_timeout_s=0.02)
+    )
     with Runtime(config=config) as rt:
         # one element whose operator spins ~0.2 s: one block, no completion for 10x the timeout
         spin = "const long long t = clock64(); while (clock64() - t < 400000000LL) {} return a[0];"

@@ -1,9 +1,11 @@
-"""OpenAI-compatible completions as users reach them: `serve run` of the shipped deployments/llm.yaml
+"""OpenAI-compatible completions as users reach them: `serve run` of the shipped
+deployments/llm.yaml
 (CPU backend, the default tiny model, whose directory has a chat template), then HTTP with httpx and
 with the official `openai` client, unmodified: plain and streamed completions and chat completions,
 models.retrieve, lists of prompts, stop strings, usage, seeds, concurrent streams batched together,
 logprobs, prompt log-likelihoods (echo + logprobs, max_tokens 0) equal to transformers', and errors
 in OpenAI's shape."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,10 +30,17 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp: Path) -> Iterator[ServeProcess]:
-    with served(REPO / "deployments" / "llm.yaml", tmp,
-                {"backend": "cpu", "state_dir": str(tmp / "state"), "num_cpus": 0.5,
-                 "admin_token": ADMIN["Authorization"].removeprefix("Bearer ")},
-                ready="/v1/models") as process:
+    with served(
+        REPO / "deployments" / "llm.yaml",
+        tmp,
+        {
+            "backend": "cpu",
+            "state_dir": str(tmp / "state"),
+            "num_cpus": 0.5,
+            "admin_token": ADMIN["Authorization"].removeprefix("Bearer "),
+        },
+        ready="/v1/models",
+    ) as process:
         yield process
 
 
@@ -48,8 +57,9 @@ def client(server: ServeProcess) -> openai.OpenAI:
 
 
 def test_openai_client_completion(client: openai.OpenAI, model_id: str) -> None:
-    done = client.completions.create(model=model_id, prompt="Hello, world", max_tokens=8,
-                                     temperature=0)
+    done = client.completions.create(
+        model=model_id, prompt="Hello, world", max_tokens=8, temperature=0
+    )
     assert done.object == "text_completion" and done.model == model_id
     (choice,) = done.choices
     assert choice.finish_reason in ("stop", "length") and isinstance(choice.text, str)
@@ -57,17 +67,20 @@ def test_openai_client_completion(client: openai.OpenAI, model_id: str) -> None:
     assert usage.prompt_tokens == len(b"Hello, world")  # the tiny model's byte tokenizer
     assert 1 <= usage.completion_tokens <= 8
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    again = client.completions.create(model=model_id, prompt="Hello, world", max_tokens=8,
-                                      temperature=0)
+    again = client.completions.create(
+        model=model_id, prompt="Hello, world", max_tokens=8, temperature=0
+    )
     assert again.choices[0].text == choice.text  # greedy is deterministic
 
 
 def test_openai_client_streaming_equals_plain(client: openai.OpenAI, model_id: str) -> None:
-    args = dict(model=model_id, prompt="The quick brown fox", max_tokens=12, temperature=0.8,
-                seed=5)
+    args = dict(
+        model=model_id, prompt="The quick brown fox", max_tokens=12, temperature=0.8, seed=5
+    )
     plain = client.completions.create(**args)
-    chunks = list(client.completions.create(**args, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert text == plain.choices[0].text  # same seed, same tokens
@@ -87,12 +100,14 @@ def test_raw_sse_ends_with_done(server: ServeProcess, model_id: str) -> None:
 
 
 def test_list_of_prompts_gives_one_choice_each(client: openai.OpenAI, model_id: str) -> None:
-    done = client.completions.create(model=model_id, prompt=["one", "two two", "ABC"],
-                                     max_tokens=4, temperature=0)
+    done = client.completions.create(
+        model=model_id, prompt=["one", "two two", "ABC"], max_tokens=4, temperature=0
+    )
     assert sorted(c.index for c in done.choices) == [0, 1, 2]
     assert done.usage.prompt_tokens == 3 + 7 + 3
-    ids = client.completions.create(model=model_id, prompt=[65, 66, 67], max_tokens=4,
-                                    temperature=0)
+    ids = client.completions.create(
+        model=model_id, prompt=[65, 66, 67], max_tokens=4, temperature=0
+    )
     assert ids.choices[0].text == next(c.text for c in done.choices if c.index == 2)
 
 
@@ -103,13 +118,14 @@ def test_stop_string_cuts_the_text(client: openai.OpenAI, model_id: str) -> None
         pytest.skip(f"greedy completion {full!r} too short to cut")
     stop = full[1:3]
     cut = client.completions.create(**args, stop=[stop]).choices[0]
-    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
 
 
 def test_concurrent_streams_all_complete(server: ServeProcess, model_id: str) -> None:
     async def one(session: openai.AsyncOpenAI, i: int) -> str:
-        stream = await session.completions.create(model=model_id, prompt=f"request {i}",
-                                                  max_tokens=10, temperature=0, stream=True)
+        stream = await session.completions.create(
+            model=model_id, prompt=f"request {i}", max_tokens=10, temperature=0, stream=True
+        )
         parts = [c async for c in stream]
         assert parts[-1].choices[0].finish_reason in ("stop", "length")
         return "".join(c.choices[0].text for c in parts)
@@ -124,20 +140,24 @@ def test_concurrent_streams_all_complete(server: ServeProcess, model_id: str) ->
     assert stats["total"]["llm_steps"] < stats["total"]["llm_tokens"]  # requests shared steps
 
 
-@pytest.mark.parametrize("change,status,param", [
-    ({"model": "gpt-9"}, 404, None),
-    ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"temperature": 3}, 400, "temperature"),
-    ({"n": 2}, 400, "n"),
-    ({"logprobs": 50}, 400, "logprobs"),
-    ({"best_of": 2}, 400, "best_of"),
-    ({"prompt": ""}, 400, None),
-    ({"prompt": "x" * 5000}, 400, None),
-    ({"prompt": [[1, 99999]]}, 400, None),
-    ({"frobnicate": 1}, 400, "frobnicate"),
-])
-def test_bad_requests_get_openai_errors(server: ServeProcess, model_id: str, change: dict,
-                                        status: int, param: str | None) -> None:
+@pytest.mark.parametrize(
+    "change,status,param",
+    [
+        ({"model": "gpt-9"}, 404, None),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"temperature": 3}, 400, "temperature"),
+        ({"n": 2}, 400, "n"),
+        ({"logprobs": 50}, 400, "logprobs"),
+        ({"best_of": 2}, 400, "best_of"),
+        ({"prompt": ""}, 400, None),
+        ({"prompt": "x" * 5000}, 400, None),
+        ({"prompt": [[1, 99999]]}, 400, None),
+        ({"frobnicate": 1}, 400, "frobnicate"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    server: ServeProcess, model_id: str, change: dict, status: int, param: str | None
+) -> None:
     body = {"model": model_id, "prompt": "hi", "max_tokens": 4, **change}
     answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
     assert answer.status_code == status, answer.text
@@ -153,8 +173,9 @@ def test_openai_client_raises_its_own_errors(client: openai.OpenAI) -> None:
 
 
 def test_ops_still_served_beside_the_model(server: ServeProcess) -> None:
-    answer = httpx.post(f"{server.url}/v1/ops/relu", json={"inputs": [{"data": [-1.0, 2.0]}]},
-                        timeout=30)
+    answer = httpx.post(
+        f"{server.url}/v1/ops/relu", json={"inputs": [{"data": [-1.0, 2.0]}]}, timeout=30
+    )
     assert answer.status_code == 200 and answer.json()["output"]["data"] == [0.0, 2.0]
 
 
@@ -163,28 +184,42 @@ def test_the_default_is_the_seeded_tiny_model(model_id: str) -> None:
 
 
 @pytest.mark.parametrize("body", [b"\xff\xfe{}", b"[" * 100_000, b'{"prompt": "hi"} tail'])
-def test_bodies_that_are_not_json_get_400_in_openai_shape(server: ServeProcess,
-                                                           body: bytes) -> None:
-    answer = httpx.post(f"{server.url}/v1/completions", content=body, timeout=30,
-                        headers={"content-type": "application/json"})
+def test_bodies_that_are_not_json_get_400_in_openai_shape(
+    server: ServeProcess, body: bytes
+) -> None:
+    answer = httpx.post(
+        f"{server.url}/v1/completions",
+        content=body,
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["type"] == "invalid_request_error" and "invalid JSON" in error["message"]
 
 
 def test_vllm_metrics_count_the_completions(server: ServeProcess, model_id: str) -> None:
-    httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-        "model": model_id, "prompt": "count me", "max_tokens": 4, "temperature": 0})
+    httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=60,
+        json={"model": model_id, "prompt": "count me", "max_tokens": 4, "temperature": 0},
+    )
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
-                 "vllm:generation_tokens_total", "vllm:num_requests_waiting"):
+    for name in (
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:num_requests_waiting",
+    ):
         assert f'\n{name}{{model_name="{model_id}",' in text, name
     assert 'vllm:request_success_total{finished_reason="' in text
 
 
-def test_nan_logits_are_a_clear_error_and_roll_the_swap_back(server: ServeProcess,
-                                                             model_id: str) -> None:
+def test_nan_logits_are_a_clear_error_and_roll_the_swap_back(
+    server: ServeProcess, model_id: str
+) -> None:
     """gelu_tanh (the tiny GPT-2's activation) swapped to a version that is NaN for negative
     inputs: refused by default, and when forced, the next completion fails with a clear error
     (never torch's message) and the replica rolls the operator back by itself."""
@@ -195,20 +230,21 @@ def test_nan_logits_are_a_clear_error_and_roll_the_swap_back(server: ServeProces
     forced = httpx.post(swap, json={**nan, "allow_nonfinite": True}, headers=ADMIN, timeout=120)
     assert forced.status_code == 200, forced.text
     body = {"model": model_id, "prompt": "Hello", "max_tokens": 4}
-    failed = httpx.post(f"{server.url}/v1/completions", json={**body, "temperature": 0.7},
-                        timeout=60)
+    failed = httpx.post(
+        f"{server.url}/v1/completions", json={**body, "temperature": 0.7}, timeout=60
+    )
     assert failed.status_code == 500, failed.text
     error = failed.json()["error"]
     assert error["type"] == "server_error" and "NaN or infinite logits" in error["message"]
     assert "gelu_tanh" in error["message"] and "probability" not in error["message"]
     deadline = time.monotonic() + 60
-    while (op := httpx.get(f"{server.url}/admin/ops/gelu_tanh", headers=ADMIN,
-                           timeout=30).json())["current"] != 1:
+    while (op := httpx.get(f"{server.url}/admin/ops/gelu_tanh", headers=ADMIN, timeout=30).json())[
+        "current"
+    ] != 1:
         assert time.monotonic() < deadline, op
         time.sleep(0.2)
     assert (op["changes"][-1]["by"], op["changes"][-1]["action"]) == ("watch", "rollback")
-    again = httpx.post(f"{server.url}/v1/completions", json={**body, "temperature": 0},
-                       timeout=60)
+    again = httpx.post(f"{server.url}/v1/completions", json={**body, "temperature": 0}, timeout=60)
     assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] == "length"
 
 
@@ -221,8 +257,9 @@ def test_models_retrieve(client: openai.OpenAI, model_id: str) -> None:
 
 def test_openai_client_chat(client: openai.OpenAI, model_id: str) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    args = dict(model=model_id, messages=messages, max_completion_tokens=10, temperature=0.7,
-                seed=3)
+    args = dict(
+        model=model_id, messages=messages, max_completion_tokens=10, temperature=0.7, seed=3
+    )
     done = client.chat.completions.create(**args)
     assert done.object == "chat.completion" and done.model == model_id
     (choice,) = done.choices
@@ -231,8 +268,9 @@ def test_openai_client_chat(client: openai.OpenAI, model_id: str) -> None:
     # the tiny model's template: "role: content\n" per message, then "assistant:" (bytes)
     assert done.usage.prompt_tokens == len(b"system: Be brief.\nuser: Hi!\nassistant:")
     assert 1 <= done.usage.completion_tokens <= 10
-    chunks = list(client.chat.completions.create(**args, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
     assert chunks[0].object == "chat.completion.chunk"
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -254,43 +292,66 @@ def test_chat_stop_max_tokens_and_logprobs(client: openai.OpenAI, model_id: str)
     text = choice.message.content
     if len(text) >= 3:
         cut = client.chat.completions.create(**args, max_tokens=12, stop=[text[1:3]])
-        assert cut.choices[0].message.content == text[:text.index(text[1:3])]
+        assert cut.choices[0].message.content == text[: text.index(text[1:3])]
 
 
 def test_chat_errors(server: ServeProcess, model_id: str) -> None:
     url = f"{server.url}/v1/chat/completions"
-    for body, param in [({"messages": []}, "messages"), ({"n": 2}, "n"),
-                        ({"tools": [{"type": "function"}]}, "tools")]:
-        answer = httpx.post(url, timeout=30, json={
-            "model": model_id, "messages": [{"role": "user", "content": "x"}], **body})
+    for body, _param in [
+        ({"messages": []}, "messages"),
+        ({"n": 2}, "n"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+    ]:
+        answer = httpx.post(
+            url,
+            timeout=30,
+            json={"model": model_id, "messages": [{"role": "user", "content": "x"}], **body},
+        )
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["type"] == "invalid_request_error"
-    assert httpx.get(f"{server.url}/v1/models/nope", timeout=30).json()["error"]["code"] == \
-        "model_not_found"
-    parts = httpx.post(url, timeout=30, json={"model": model_id, "max_tokens": 2, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}]})
+    assert (
+        httpx.get(f"{server.url}/v1/models/nope", timeout=30).json()["error"]["code"]
+        == "model_not_found"
+    )
+    parts = httpx.post(
+        url,
+        timeout=30,
+        json={
+            "model": model_id,
+            "max_tokens": 2,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}],
+                }
+            ],
+        },
+    )
     assert parts.status_code == 200, parts.text
     assert parts.json()["usage"]["prompt_tokens"] == len(b"user: Hi!\nassistant:")
 
 
 def test_completion_logprobs_of_generated_tokens(client: openai.OpenAI, model_id: str) -> None:
-    done = client.completions.create(model=model_id, prompt="Hello", max_tokens=6, temperature=0,
-                                     logprobs=2)
+    done = client.completions.create(
+        model=model_id, prompt="Hello", max_tokens=6, temperature=0, logprobs=2
+    )
     lp = done.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == done.usage.completion_tokens
     for chosen, token, top in zip(lp.token_logprobs, lp.tokens, lp.top_logprobs):
         assert top[token] == chosen and chosen == pytest.approx(max(top.values()))
 
 
-def test_echo_logprobs_equal_transformers_loglikelihood(client: openai.OpenAI, model_id: str,
-                                                        tmp: Path) -> None:
+def test_echo_logprobs_equal_transformers_loglikelihood(
+    client: openai.OpenAI, model_id: str, tmp: Path
+) -> None:
     """lm-evaluation-harness's loglikelihood request: token ids, echo, max_tokens 0, logprobs."""
     transformers = pytest.importorskip("transformers")
     import torch
 
     tokens = list(b"The quick brown fox jumps")
-    done = client.completions.create(model=model_id, prompt=[tokens], max_tokens=0, echo=True,
-                                     logprobs=1, temperature=0)
+    done = client.completions.create(
+        model=model_id, prompt=[tokens], max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
     (choice,) = done.choices
     assert choice.text == "The quick brown fox jumps"
     lp = choice.logprobs
@@ -301,6 +362,7 @@ def test_echo_logprobs_equal_transformers_loglikelihood(client: openai.OpenAI, m
     expected = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(tokens[1:])[:, None])
     assert lp.token_logprobs[1:] == pytest.approx(expected[:, 0].tolist(), abs=1e-4)
     assert done.usage.completion_tokens == 0 and done.usage.prompt_tokens == len(tokens)
-    more = client.completions.create(model=model_id, prompt="The quick", max_tokens=3, echo=True,
-                                     temperature=0)
+    more = client.completions.create(
+        model=model_id, prompt="The quick", max_tokens=3, echo=True, temperature=0
+    )
     assert more.choices[0].text.startswith("The quick")

@@ -1,6 +1,7 @@
 """The app as users run it: `serve run` of the shipped multi-replica config (two CPU replicas),
 reached over HTTP. One Serve instance serves the whole module; the last test restarts it from the
 shipped single-replica config on the same state dir, so it must stay last."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,10 +40,18 @@ class App:
     def start(self, config_name: str, replicas: int) -> None:
         """Start `serve run` of a shipped config on a free port, on this app's state dir."""
         port = free_port()
-        config = write_config(REPO / "deployments" / config_name, self.tmp / config_name, port,
-                              {"backend": "cpu", "state_dir": str(self.tmp / "state"),
-                               "admin_token": TOKEN, "max_elements": MAX_ELEMENTS,
-                               "num_cpus": 0.5})
+        config = write_config(
+            REPO / "deployments" / config_name,
+            self.tmp / config_name,
+            port,
+            {
+                "backend": "cpu",
+                "state_dir": str(self.tmp / "state"),
+                "admin_token": TOKEN,
+                "max_elements": MAX_ELEMENTS,
+                "num_cpus": 0.5,
+            },
+        )
         self.process = start_serve(config, port, self.tmp / f"{config_name}.log")
         self.process.wait_until_up("/readyz")
         wait_for_replicas(self.url, replicas)
@@ -83,8 +92,11 @@ def tensor(x: torch.Tensor) -> dict[str, Any]:
 def b64(x: torch.Tensor) -> dict[str, Any]:
     """The compact form of `x`: its little-endian bytes in base64, shape and dtype."""
     raw = x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return {"b64": base64.b64encode(raw).decode(), "shape": list(x.shape),
-            "dtype": str(x.dtype).removeprefix("torch.")}
+    return {
+        "b64": base64.b64encode(raw).decode(),
+        "shape": list(x.shape),
+        "dtype": str(x.dtype).removeprefix("torch."),
+    }
 
 
 def output(body: dict[str, Any]) -> torch.Tensor:
@@ -93,8 +105,11 @@ def output(body: dict[str, Any]) -> torch.Tensor:
     if "b64" in out:
         dtype = getattr(torch, out["dtype"])
         raw = bytearray(base64.b64decode(out["b64"], validate=True))
-        return torch.frombuffer(raw, dtype=dtype).reshape(out["shape"]) if raw else \
-            torch.empty(out["shape"], dtype=dtype)
+        return (
+            torch.frombuffer(raw, dtype=dtype).reshape(out["shape"])
+            if raw
+            else torch.empty(out["shape"], dtype=dtype)
+        )
     values = [float(v) for v in out["data"]]  # float() reads "NaN", "Infinity", "-Infinity"
     return torch.tensor(values, dtype=torch.float32).reshape(out["shape"])
 
@@ -103,14 +118,18 @@ def call(client: httpx.Client, op: str, *xs: torch.Tensor, **options: Any) -> ht
     return client.post(f"/v1/ops/{op}", json={"inputs": [tensor(x) for x in xs], **options})
 
 
-async def call_many(url: str, requests: list[tuple[str, list[torch.Tensor]]]
-                    ) -> list[httpx.Response]:
+async def call_many(
+    url: str, requests: list[tuple[str, list[torch.Tensor]]]
+) -> list[httpx.Response]:
     """All `requests` at once."""
     limits = httpx.Limits(max_connections=len(requests))
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as session:
-        return await asyncio.gather(*(
-            session.post(f"/v1/ops/{op}", json={"inputs": [tensor(x) for x in xs]})
-            for op, xs in requests))
+        return await asyncio.gather(
+            *(
+                session.post(f"/v1/ops/{op}", json={"inputs": [tensor(x) for x in xs]})
+                for op, xs in requests
+            )
+        )
 
 
 def set_knobs(client: httpx.Client, **knobs: Any) -> None:
@@ -136,12 +155,14 @@ def test_health_readiness_and_the_operator_catalogue(client: httpx.Client) -> No
 
 
 def test_concurrent_requests_are_answered_correctly_in_shared_submissions(
-        app: App, client: httpx.Client) -> None:
+    app: App, client: httpx.Client
+) -> None:
     set_knobs(client, window_us=3000)
     try:
         before = totals(client)
-        requests = [("softmax", [torch.randn(4, 32)]) for _ in range(24)] + \
-                   [("mul", [torch.randn(64), torch.randn(64)]) for _ in range(24)]
+        requests = [("softmax", [torch.randn(4, 32)]) for _ in range(24)] + [
+            ("mul", [torch.randn(64), torch.randn(64)]) for _ in range(24)
+        ]
         responses = asyncio.run(call_many(app.url, requests))
         after = totals(client)
     finally:
@@ -198,10 +219,14 @@ BAD_INPUTS = [  # (op, body, status, words the message must contain)
 ]
 
 
-@pytest.mark.parametrize(("op", "body", "status", "words"), BAD_INPUTS,
-                         ids=[f"{b[0]}-{b[2]}-{i}" for i, b in enumerate(BAD_INPUTS)])
+@pytest.mark.parametrize(
+    ("op", "body", "status", "words"),
+    BAD_INPUTS,
+    ids=[f"{b[0]}-{b[2]}-{i}" for i, b in enumerate(BAD_INPUTS)],
+)
 def test_bad_inputs_get_clear_errors_and_the_replica_keeps_serving(
-        client: httpx.Client, op: str, body: dict[str, Any], status: int, words: str) -> None:
+    client: httpx.Client, op: str, body: dict[str, Any], status: int, words: str
+) -> None:
     response = client.post(f"/v1/ops/{op}", json=body)
     assert response.status_code == status, response.text
     assert words in response.text
@@ -210,22 +235,32 @@ def test_bad_inputs_get_clear_errors_and_the_replica_keeps_serving(
 
 
 def test_a_body_too_large_to_parse_is_refused_unread(client: httpx.Client) -> None:
-    response = client.post("/v1/ops/relu", content=b"[" + b"0," * 1_000_000 + b"0]",
-                           headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/ops/relu",
+        content=b"[" + b"0," * 1_000_000 + b"0]",
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == 413 and "request body over" in response.json()["detail"]
 
 
 def test_malformed_json_is_a_422(client: httpx.Client) -> None:
-    response = client.post("/v1/ops/relu", content=b"{not json",
-                           headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/ops/relu", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 422
 
 
-@pytest.mark.parametrize(("headers", "status", "words"), [
-    ({}, 401, "missing"), ({"Authorization": "Bearer nope"}, 403, "wrong admin token"),
-    ({"Authorization": f"Basic {TOKEN}"}, 403, "wrong admin token")])
-def test_admin_routes_need_the_bearer_token(client: httpx.Client, headers: dict[str, str],
-                                            status: int, words: str) -> None:
+@pytest.mark.parametrize(
+    ("headers", "status", "words"),
+    [
+        ({}, 401, "missing"),
+        ({"Authorization": "Bearer nope"}, 403, "wrong admin token"),
+        ({"Authorization": f"Basic {TOKEN}"}, 403, "wrong admin token"),
+    ],
+)
+def test_admin_routes_need_the_bearer_token(
+    client: httpx.Client, headers: dict[str, str], status: int, words: str
+) -> None:
     for method, path in (("GET", "/admin/ops"), ("POST", "/admin/ops/relu/rollback")):
         response = client.request(method, path, headers=headers)
         assert response.status_code == status and words in response.json()["detail"]
@@ -235,8 +270,9 @@ def test_admin_routes_need_the_bearer_token(client: httpx.Client, headers: dict[
 
 
 def test_register_swap_and_rollback_reach_both_replicas(app: App, client: httpx.Client) -> None:
-    made = client.post("/admin/ops", headers=ADMIN,
-                       json={"name": "it_affine", "expression": "A * 2 + 1"})
+    made = client.post(
+        "/admin/ops", headers=ADMIN, json={"name": "it_affine", "expression": "A * 2 + 1"}
+    )
     assert made.status_code == 201, made.text
     assert_everywhere(made.json(), "it_affine", 1)
     swapped = client.post("/admin/ops/it_affine/swap", headers=ADMIN, json={"expression": "A * 3"})
@@ -275,19 +311,22 @@ def assert_answers(app: App, op: str, version: int, fn: Any) -> None:
     raise AssertionError(f"only replica(s) {replicas} answered")
 
 
-@pytest.mark.parametrize(("path", "body", "status", "words"), [
-    ("/admin/ops/gelu/swap", {"expression": "A +* 2"}, 400, "position 3"),
-    ("/admin/ops/gelu/swap", {"expression": "A + B"}, 400, "beyond the operator's 1 input"),
-    ("/admin/ops/gelu/swap", {"expression": "A", "cuda": "return a[0];"}, 403, "raw CUDA"),
-    ("/admin/ops/softmax/swap", {"expression": "A"}, 422, "only elementwise"),
-    ("/admin/ops/no_such_op/swap", {"expression": "A"}, 404, "unknown operator"),
-    ("/admin/ops/gelu/rollback", None, 409, "nothing to roll back to"),
-    ("/admin/ops", {"name": "relu", "expression": "A"}, 409, "exists"),
-    ("/admin/ops", {"name": "Bad-Name", "expression": "A"}, 422, "invalid"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "words"),
+    [
+        ("/admin/ops/gelu/swap", {"expression": "A +* 2"}, 400, "position 3"),
+        ("/admin/ops/gelu/swap", {"expression": "A + B"}, 400, "beyond the operator's 1 input"),
+        ("/admin/ops/gelu/swap", {"expression": "A", "cuda": "return a[0];"}, 403, "raw CUDA"),
+        ("/admin/ops/softmax/swap", {"expression": "A"}, 422, "only elementwise"),
+        ("/admin/ops/no_such_op/swap", {"expression": "A"}, 404, "unknown operator"),
+        ("/admin/ops/gelu/rollback", None, 409, "nothing to roll back to"),
+        ("/admin/ops", {"name": "relu", "expression": "A"}, 409, "exists"),
+        ("/admin/ops", {"name": "Bad-Name", "expression": "A"}, 422, "invalid"),
+    ],
+)
 def test_refused_changes_say_why_and_the_old_version_keeps_serving(
-        client: httpx.Client, path: str, body: dict[str, str] | None, status: int,
-        words: str) -> None:
+    client: httpx.Client, path: str, body: dict[str, str] | None, status: int, words: str
+) -> None:
     response = client.post(path, json=body, headers=ADMIN)
     assert response.status_code == status, response.text
     assert words in response.text
@@ -300,7 +339,8 @@ def test_refused_changes_say_why_and_the_old_version_keeps_serving(
 
 
 def test_a_full_queue_is_503_with_retry_after_and_a_late_answer_504(
-        app: App, client: httpx.Client) -> None:
+    app: App, client: httpx.Client
+) -> None:
     set_knobs(client, max_queue=1, window_us=1_000_000, deadline_ms=3000)
     try:  # each replica holds one task for the whole window: the rest are refused
         full = asyncio.run(call_many(app.url, [("exp", [torch.randn(4)])] * 6))
@@ -321,11 +361,28 @@ def test_coalescer_knobs_out_of_range_are_refused(client: httpx.Client) -> None:
     assert {r["coalescer"]["max_batch"] for r in reports} == {64}
 
 
-def test_a_short_swap_storm_under_load_has_no_failures(app: App, client: httpx.Client,
-                                                       tmp_path: Path) -> None:
-    code = loadtest_run.main(["swap-storm", "--users", "6", "--duration", "5", "--coalescing",
-                              "off", "--warmup", "0", "--url", app.url, "--admin-token", TOKEN,
-                              "--out", str(tmp_path)])
+def test_a_short_swap_storm_under_load_has_no_failures(
+    app: App, client: httpx.Client, tmp_path: Path
+) -> None:
+    code = loadtest_run.main(
+        [
+            "swap-storm",
+            "--users",
+            "6",
+            "--duration",
+            "5",
+            "--coalescing",
+            "off",
+            "--warmup",
+            "0",
+            "--url",
+            app.url,
+            "--admin-token",
+            TOKEN,
+            "--out",
+            str(tmp_path),
+        ]
+    )
     (run,) = json.loads((tmp_path / "summary.json").read_text())["runs"]
     assert code == 0 and run["failures"] == 0, run
     assert run["requests"] > 20 and run["mean_batch_size"] >= 1
@@ -334,12 +391,16 @@ def test_a_short_swap_storm_under_load_has_no_failures(app: App, client: httpx.C
 
 
 MALFORMED = [  # (path, body, status, words): each once a 500
-    ("/v1/ops/relu", {"inputs": [{"data": [], "shape": [2 ** 62, 4]}]}, 422, "less than or equal"),
+    ("/v1/ops/relu", {"inputs": [{"data": [], "shape": [2**62, 4]}]}, 422, "less than or equal"),
     ("/v1/ops/relu", b"\xff\xfe{}", 422, "invalid JSON"),
     ("/v1/ops/relu", b"[" * 100_000, 422, "recursion limit"),
     ("/v1/ops/relu", {"inputs": [{"data": [1.0, None]}]}, 422, 'send NaN as \\"NaN\\"'),
-    ("/v1/ops/add", {"inputs": [{"data": [[1.0]] * 64}, {"data": [[1.0] * 256]}]}, 413,
-     "the result would have shape [64, 256]"),
+    (
+        "/v1/ops/add",
+        {"inputs": [{"data": [[1.0]] * 64}, {"data": [[1.0] * 256]}]},
+        413,
+        "the result would have shape [64, 256]",
+    ),
     ("/v1/ops/relu", {"inputs": [{"data": [1.0]}], "keepdim": "yes"}, 422, "keepdim"),
     ("/admin/ops", b'{"a": ' * 100_000, 422, "recursion limit"),
     ("/v1/completions", b"\xff\xfe{}", 400, "invalid JSON"),
@@ -347,13 +408,18 @@ MALFORMED = [  # (path, body, status, words): each once a 500
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "status", "words"), MALFORMED,
-                         ids=[f"{m[0]}-{m[2]}-{i}" for i, m in enumerate(MALFORMED)])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "words"),
+    MALFORMED,
+    ids=[f"{m[0]}-{m[2]}-{i}" for i, m in enumerate(MALFORMED)],
+)
 def test_malformed_input_of_any_kind_is_a_4xx_in_one_shape(
-        client: httpx.Client, path: str, body: Any, status: int, words: str) -> None:
+    client: httpx.Client, path: str, body: Any, status: int, words: str
+) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = client.post(path, content=content, headers={**ADMIN,
-                                                           "content-type": "application/json"})
+    response = client.post(
+        path, content=content, headers={**ADMIN, "content-type": "application/json"}
+    )
     assert response.status_code == status, response.text
     assert words in response.text
     error = response.json()["error"]
@@ -373,8 +439,9 @@ def test_non_finite_values_travel_as_strings_and_null_is_refused(client: httpx.C
     body = {"inputs": [{"data": [1.0, "NaN", "Infinity", "-Infinity"]}]}
     out = client.post("/v1/ops/neg", json=body).json()["output"]
     assert out["data"] == [-1.0, "NaN", "-Infinity", "Infinity"]
-    zero = client.post("/v1/ops/div", json={"inputs": [{"data": [0.0, 1.0, -1.0]},
-                                                        {"data": [0.0, 0.0, 0.0]}]})
+    zero = client.post(
+        "/v1/ops/div", json={"inputs": [{"data": [0.0, 1.0, -1.0]}, {"data": [0.0, 0.0, 0.0]}]}
+    )
     assert zero.json()["output"]["data"] == ["NaN", "Infinity", "-Infinity"]
     refused = client.post("/v1/ops/neg", json={"inputs": [{"data": [[1.0, None]]}]})
     assert refused.status_code == 422 and "null is not a number" in refused.json()["detail"]
@@ -391,17 +458,18 @@ ROUND_TRIPS = [  # (op, inputs, options): each sent as lists and as b64
 
 
 @pytest.mark.parametrize(("op", "xs", "options"), ROUND_TRIPS, ids=[r[0] for r in ROUND_TRIPS])
-def test_b64_tensors_give_the_same_results_as_lists(client: httpx.Client, op: str,
-                                                    xs: list[torch.Tensor],
-                                                    options: dict[str, Any]) -> None:
+def test_b64_tensors_give_the_same_results_as_lists(
+    client: httpx.Client, op: str, xs: list[torch.Tensor], options: dict[str, Any]
+) -> None:
     as_lists = call(client, op, *xs, **options)
     compact = client.post(f"/v1/ops/{op}", json={"inputs": [b64(x) for x in xs], **options})
     assert as_lists.status_code == compact.status_code == 200, compact.text
     out = compact.json()["output"]
     assert set(out) == {"b64", "shape", "dtype"}  # answered as asked: in b64
     assert out["dtype"] == as_lists.json()["output"]["dtype"]
-    torch.testing.assert_close(output(compact.json()).float(), output(as_lists.json()),
-                               rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(
+        output(compact.json()).float(), output(as_lists.json()), rtol=0, atol=0, equal_nan=True
+    )
 
 
 def test_the_answer_encoding_can_be_chosen(client: httpx.Client) -> None:
@@ -426,20 +494,27 @@ MALFORMED_B64 = [  # (body, status, words)
     (b64_body(FOUR_FLOATS, [3]), 422, "b64 holds 16 bytes; shape [3] of float32 needs 12"),
     (b64_body(FOUR_FLOATS, [4], dtype="float16"), 422, "needs 8 (4 elements of 2 bytes)"),
     (b64_body(FOUR_FLOATS, [4], dtype="int32"), 422, "'float32', 'float16' or 'bfloat16'"),
-    (b64_body(FOUR_FLOATS, [2 ** 31 - 1] * 3), 422, "b64 holds 16 bytes"),
+    (b64_body(FOUR_FLOATS, [2**31 - 1] * 3), 422, "b64 holds 16 bytes"),
     (b64_body(12, [3]), 422, "valid string"),
     (b64_body(FOUR_FLOATS, [4], data=[1, 2, 3, 4]), 422, "Extra inputs"),
     ({"inputs": [{"b64": FOUR_FLOATS}]}, 422, "shape"),
     ({**b64_body(FOUR_FLOATS, [4]), "out_encoding": "hex"}, 422, "out_encoding"),
-    (b64_body(base64.b64encode(bytes(4 * (MAX_ELEMENTS + 1))).decode(), [MAX_ELEMENTS + 1]), 413,
-     f"more than {MAX_ELEMENTS} elements"),
+    (
+        b64_body(base64.b64encode(bytes(4 * (MAX_ELEMENTS + 1))).decode(), [MAX_ELEMENTS + 1]),
+        413,
+        f"more than {MAX_ELEMENTS} elements",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("body", "status", "words"), MALFORMED_B64,
-                         ids=[f"{m[1]}-{i}" for i, m in enumerate(MALFORMED_B64)])
-def test_malformed_b64_tensors_are_clear_4xx(client: httpx.Client, body: dict[str, Any],
-                                             status: int, words: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    MALFORMED_B64,
+    ids=[f"{m[1]}-{i}" for i, m in enumerate(MALFORMED_B64)],
+)
+def test_malformed_b64_tensors_are_clear_4xx(
+    client: httpx.Client, body: dict[str, Any], status: int, words: str
+) -> None:
     response = client.post("/v1/ops/relu", json=body)
     assert response.status_code == status, response.text
     assert words in response.json()["detail"]
@@ -468,22 +543,26 @@ def test_a_batch_answers_each_call_on_its_own(client: httpx.Client) -> None:
     torch.testing.assert_close(output(results[0]), torch.softmax(rows, -1))
     assert "data" in results[4]["output"]
     torch.testing.assert_close(output(results[4]), x * y)
-    for failed, words in zip(results[1:4], ("unknown operator", "do not broadcast",
-                                            "not valid base64")):
+    for failed, words in zip(
+        results[1:4], ("unknown operator", "do not broadcast", "not valid base64")
+    ):
         assert words in failed["detail"] and isinstance(failed["error"], str)
     assert "inputs have more than" in results[6]["detail"]
     tasks, batches = after["tasks"] - before["tasks"], after["batches"] - before["batches"]
     assert tasks == 3 and batches == 1  # the good calls, in one submission
 
 
-@pytest.mark.parametrize(("calls", "words"), [
-    ([], "at least 1 item"),
-    ([{"op": "neg", "inputs": [{"data": [1.0]}]}] * 257, "at most 256 items"),
-    ([{"op": "neg"}], "inputs"),
-])
-def test_a_batch_the_schema_refuses_is_refused_whole(client: httpx.Client,
-                                                     calls: list[dict[str, Any]],
-                                                     words: str) -> None:
+@pytest.mark.parametrize(
+    ("calls", "words"),
+    [
+        ([], "at least 1 item"),
+        ([{"op": "neg", "inputs": [{"data": [1.0]}]}] * 257, "at most 256 items"),
+        ([{"op": "neg"}], "inputs"),
+    ],
+)
+def test_a_batch_the_schema_refuses_is_refused_whole(
+    client: httpx.Client, calls: list[dict[str, Any]], words: str
+) -> None:
     response = client.post("/v1/batch", json={"calls": calls})
     assert response.status_code == 422 and words in response.json()["detail"], response.text
 
@@ -497,19 +576,31 @@ async def oversized(total: int) -> AsyncIterator[bytes]:
 
 
 def replica_rss(client_text: str) -> dict[str, float]:
-    return {m[0]: float(m[1]) for m in re.findall(
-        r'process_resident_memory_bytes\{replica="([^"]+)"\} (\S+)', client_text)}
+    return {
+        m[0]: float(m[1])
+        for m in re.findall(
+            r'process_resident_memory_bytes\{replica="([^"]+)"\} (\S+)', client_text
+        )
+    }
 
 
 def test_chunked_bodies_over_the_limit_get_413_while_others_are_served(app: App) -> None:
     """Four 50 MB bodies without Content-Length at once: each is cut off at the limit (about
     1 MB here), the replicas' memory barely moves and health checks keep answering."""
+
     async def main() -> tuple[list[int], list[float], float]:
         async with httpx.AsyncClient(base_url=app.url, timeout=120) as session:
             before = replica_rss((await session.get("/metrics")).text)
-            uploads = [asyncio.create_task(session.post(
-                "/v1/ops/relu", content=oversized(50 << 20),
-                headers={"content-type": "application/json"})) for _ in range(4)]
+            uploads = [
+                asyncio.create_task(
+                    session.post(
+                        "/v1/ops/relu",
+                        content=oversized(50 << 20),
+                        headers={"content-type": "application/json"},
+                    )
+                )
+                for _ in range(4)
+            ]
             latencies, peak = [], 0.0
             while not all(u.done() for u in uploads):
                 started = time.perf_counter()
@@ -522,33 +613,48 @@ def test_chunked_bodies_over_the_limit_get_413_while_others_are_served(app: App)
     statuses, latencies, growth = asyncio.run(main())
     assert statuses == [413] * 4
     assert max(latencies) < 1.0, latencies
-    assert growth < 100 * 2 ** 20, f"a replica grew by {growth / 2 ** 20:.0f} MB"
+    assert growth < 100 * 2**20, f"a replica grew by {growth / 2**20:.0f} MB"
 
 
-def test_a_swap_that_makes_nan_where_the_current_is_finite_is_refused(
-        client: httpx.Client) -> None:
-    assert client.post("/admin/ops", headers=ADMIN,
-                       json={"name": "it_sqrt", "expression": "A + 1"}).status_code == 201
-    refused = client.post("/admin/ops/it_sqrt/swap", headers=ADMIN,
-                          json={"expression": "sqrt(A) + 1"})
+def test_a_swap_that_makes_nan_where_the_current_is_finite_is_refused(client: httpx.Client) -> None:
+    assert (
+        client.post(
+            "/admin/ops", headers=ADMIN, json={"name": "it_sqrt", "expression": "A + 1"}
+        ).status_code
+        == 201
+    )
+    refused = client.post(
+        "/admin/ops/it_sqrt/swap", headers=ADMIN, json={"expression": "sqrt(A) + 1"}
+    )
     assert refused.status_code == 422, refused.text
     body = refused.json()
     assert body["error"] == "NonFiniteOutputError" and "allow_nonfinite" in body["detail"]
     assert body["cases"] and all(c["nonfinite"] > 0 for c in body["cases"])
     assert call(client, "it_sqrt", torch.tensor([-4.0])).json()["version"] == 1
-    allowed = client.post("/admin/ops/it_sqrt/swap", headers=ADMIN,
-                          json={"expression": "sqrt(A) + 1", "allow_nonfinite": True})
+    allowed = client.post(
+        "/admin/ops/it_sqrt/swap",
+        headers=ADMIN,
+        json={"expression": "sqrt(A) + 1", "allow_nonfinite": True},
+    )
     assert allowed.status_code == 200, allowed.text
     canary = allowed.json()["canary"]
     assert canary["nonfinite"] > 0 and canary["max_abs_deviation"] > 0
 
 
 def test_a_swap_whose_answers_turn_nan_on_some_inputs_is_rolled_back_everywhere(
-        client: httpx.Client) -> None:
-    assert client.post("/admin/ops", headers=ADMIN,
-                       json={"name": "it_watch", "expression": "A * 2"}).status_code == 201
-    swapped = client.post("/admin/ops/it_watch/swap", headers=ADMIN,  # NaN at 7.25 only
-                          json={"expression": "A * 2 + 0 * log(abs(A - 7.25))"})
+    client: httpx.Client,
+) -> None:
+    assert (
+        client.post(
+            "/admin/ops", headers=ADMIN, json={"name": "it_watch", "expression": "A * 2"}
+        ).status_code
+        == 201
+    )
+    swapped = client.post(
+        "/admin/ops/it_watch/swap",
+        headers=ADMIN,  # NaN at 7.25 only
+        json={"expression": "A * 2 + 0 * log(abs(A - 7.25))"},
+    )
     assert swapped.status_code == 200 and swapped.json()["canary"]["max_abs_deviation"] == 0.0
     fine = call(client, "it_watch", torch.tensor([1.0, 2.0])).json()
     assert fine["version"] == 2 and fine["output"]["data"] == [2.0, 4.0]
@@ -563,8 +669,9 @@ def test_a_swap_whose_answers_turn_nan_on_some_inputs_is_rolled_back_everywhere(
     assert "NaN or infinite" in last["reason"]
     wait_for_versions(client, "it_watch", 1)
     metrics = client.get("/metrics").text
-    assert re.search(r'gpuos_operator_auto_rollbacks_total\{op="it_watch",replica="[^"]+"\} 1',
-                     metrics)
+    assert re.search(
+        r'gpuos_operator_auto_rollbacks_total\{op="it_watch",replica="[^"]+"\} 1', metrics
+    )
 
 
 def wait_for_versions(client: httpx.Client, op: str, version: int) -> None:
@@ -583,17 +690,25 @@ def test_metrics_on_the_serving_port_cover_every_replica(client: httpx.Client) -
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     text = response.text
-    for name in ("gpuos_coalesced_batch_size_bucket", "gpuos_request_errors_total",
-                 "gpuos_operator_changes_total", "vllm:num_requests_running",
-                 "process_resident_memory_bytes"):
+    for name in (
+        "gpuos_coalesced_batch_size_bucket",
+        "gpuos_request_errors_total",
+        "gpuos_operator_changes_total",
+        "vllm:num_requests_running",
+        "process_resident_memory_bytes",
+    ):
         assert f"\n{name}{{" in text, name
     assert len(set(re.findall(r'process_resident_memory_bytes\{replica="([^"]+)"', text))) == 2
 
 
 def test_the_registry_survives_a_restart(app: App, client: httpx.Client) -> None:
     """Last in the module: stops the shared instance and starts the shipped llm.yaml."""
-    assert client.post("/admin/ops", headers=ADMIN,
-                       json={"name": "kept", "expression": "A - 1"}).status_code == 201
+    assert (
+        client.post(
+            "/admin/ops", headers=ADMIN, json={"name": "kept", "expression": "A - 1"}
+        ).status_code
+        == 201
+    )
     for expression in ("A - 2", "A - 3"):
         client.post("/admin/ops/kept/swap", headers=ADMIN, json={"expression": expression})
     client.post("/admin/ops/kept/rollback", headers=ADMIN)  # active [1, 2]

@@ -1,4 +1,5 @@
 """The shipped Serve configs and the app builder, checked without starting Serve."""
+
 from __future__ import annotations
 
 import importlib
@@ -31,7 +32,8 @@ def test_shipped_configs_name_the_builder_its_deployment_and_valid_knobs(path: P
 
 def test_the_two_gpu_config_runs_two_replicas_of_one_gpu_each_on_cuda() -> None:
     schema = ServeDeploySchema.model_validate(
-        yaml.safe_load((REPO / "deployments" / "llm-2gpu.yaml").read_text()))
+        yaml.safe_load((REPO / "deployments" / "llm-2gpu.yaml").read_text())
+    )
     (app_schema,) = schema.applications
     (deployment,) = app_schema.deployments
     assert deployment.num_replicas == 2
@@ -40,8 +42,9 @@ def test_the_two_gpu_config_runs_two_replicas_of_one_gpu_each_on_cuda() -> None:
     assert AppArgs.model_validate(app_schema.args).backend == "cuda"
 
 
-@pytest.mark.parametrize("args", [{"backend": "tpu"}, {"backend": "cpu", "bakend": "cuda"},
-                                  {"max_elements": 0}])
+@pytest.mark.parametrize(
+    "args", [{"backend": "tpu"}, {"backend": "cpu", "bakend": "cuda"}, {"max_elements": 0}]
+)
 def test_build_app_rejects_bad_args(args: dict[str, object]) -> None:
     with pytest.raises(pydantic.ValidationError):
         build_app(args)
@@ -58,7 +61,8 @@ def test_replicas_reserve_a_gpu_only_when_one_exists_and_may_be_used(
 
 
 def test_admin_token_and_state_dir_come_from_args_then_environment(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
     monkeypatch.delenv(STATE_DIR_ENV, raising=False)
     assert AppArgs().resolved_admin_token() is None  # admin disabled

@@ -2,12 +2,12 @@
 
 The host C compiler prints sizeof/offsetof of every field of the header's structs; the numpy dtypes
 in gpuos_core.abi must give the same numbers (and the same constants)."""
+
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,13 +20,25 @@ CC = shutil.which("cc") or shutil.which("gcc")
 
 
 def _c_program(fields: dict[str, list[str]]) -> str:
-    lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "gpuos_abi.h"', "int main(void) {",
-             'printf("{");']
+    lines = [
+        "#include <stdio.h>",
+        "#include <stddef.h>",
+        '#include "gpuos_abi.h"',
+        "int main(void) {",
+        'printf("{");',
+    ]
     for struct, names in fields.items():
         lines.append(f'printf("\\"{struct}\\": %zu, ", sizeof({struct}));')
         lines += [f'printf("\\"{struct}.{n}\\": %zu, ", offsetof({struct}, {n}));' for n in names]
-    for const in ("GPUOS_ABI_VERSION", "GPUOS_MAX_DIMS", "GPUOS_MAX_INPUTS", "GPUOS_MAX_SCALARS",
-                  "GPUOS_DTYPE_F32", "GPUOS_DTYPE_F16", "GPUOS_DTYPE_BF16"):
+    for const in (
+        "GPUOS_ABI_VERSION",
+        "GPUOS_MAX_DIMS",
+        "GPUOS_MAX_INPUTS",
+        "GPUOS_MAX_SCALARS",
+        "GPUOS_DTYPE_F32",
+        "GPUOS_DTYPE_F16",
+        "GPUOS_DTYPE_BF16",
+    ):
         lines.append(f'printf("\\"{const}\\": %d, ", (int){const});')
     lines += ['printf("\\"end\\": 0}");', "return 0; }"]
     return "\n".join(lines)
@@ -37,18 +49,29 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
     if CC is None:
         pytest.skip("no host C compiler")
     tmp = tmp_path_factory.mktemp("abi")
-    fields = {"GpuosTensorRef": list(abi.TENSOR_REF.names), "GpuosTask": list(abi.TASK.names),
-              "GpuosQueue": list(abi.QUEUE.names)}
+    fields = {
+        "GpuosTensorRef": list(abi.TENSOR_REF.names),
+        "GpuosTask": list(abi.TASK.names),
+        "GpuosQueue": list(abi.QUEUE.names),
+    }
     (tmp / "layout.c").write_text(_c_program(fields))
-    subprocess.run([CC, "-std=c99", "-Wall", "-Werror", f"-I{CUDA_DIR}", "layout.c", "-o", "layout"],
-                   cwd=tmp, check=True)
-    return json.loads(subprocess.run([str(tmp / "layout")], capture_output=True, text=True,
-                                     check=True).stdout)
+    subprocess.run(
+        [CC, "-std=c99", "-Wall", "-Werror", f"-I{CUDA_DIR}", "layout.c", "-o", "layout"],
+        cwd=tmp,
+        check=True,
+    )
+    return json.loads(
+        subprocess.run([str(tmp / "layout")], capture_output=True, text=True, check=True).stdout
+    )
 
 
-@pytest.mark.parametrize("struct,dtype", [("GpuosTensorRef", abi.TENSOR_REF), ("GpuosTask", abi.TASK),
-                                          ("GpuosQueue", abi.QUEUE)])
-def test_struct_layout_matches_header(c_layout: dict[str, int], struct: str, dtype: np.dtype) -> None:
+@pytest.mark.parametrize(
+    "struct,dtype",
+    [("GpuosTensorRef", abi.TENSOR_REF), ("GpuosTask", abi.TASK), ("GpuosQueue", abi.QUEUE)],
+)
+def test_struct_layout_matches_header(
+    c_layout: dict[str, int], struct: str, dtype: np.dtype
+) -> None:
     assert dtype.itemsize == c_layout[struct]
     for name in dtype.names:
         assert dtype.fields[name][1] == c_layout[f"{struct}.{name}"], name
@@ -80,7 +103,14 @@ def test_encode_task_records_view_geometry_read_back_through_the_dtype() -> None
         assert int(out["dtype"]) == abi.DTYPE_CODES[torch.float16] and int(out["numel"]) == 9
         assert int(first["data"]) == other.data_ptr()
         assert int(first["dtype"]) == abi.DTYPE_CODES[torch.bfloat16]
-        assert list(first["sizes"]) == [3, 3, 1, 1, 1, 1] and list(first["strides"]) == [3, 1, 0, 0, 0, 0]
+        assert list(first["sizes"]) == [3, 3, 1, 1, 1, 1] and list(first["strides"]) == [
+            3,
+            1,
+            0,
+            0,
+            0,
+            0,
+        ]
         assert int(unused["data"]) == 0 and int(unused["ndim"]) == 0
 
 

@@ -3,6 +3,7 @@ ragged lengths 1..4096, grouped-query heads, every float dtype, the tensor-core 
 paths (head dims 64, 128 and 80), lengths 0, negative and past the cache, one long row and 64
 short ones, a program rerun with new lengths, bitwise reproducible runs; and the plan that cuts
 the work (splits from shapes only, each row written once whatever the records)."""
+
 from __future__ import annotations
 
 import random
@@ -10,13 +11,12 @@ import re
 
 import pytest
 import torch
-
-from gpuos_core import OpCall, Runtime
-from gpuos_core import families as fam
-from gpuos_core.families import AttentionPlan
-from gpuos_core.paths import CUDA_DIR
 from test_catalogue import DTYPES
 from test_index_ops import assert_close, ints, randn, run, sliced_attention
+
+from gpuos_core import OpCall, Runtime, families as fam
+from gpuos_core.families import AttentionPlan
+from gpuos_core.paths import CUDA_DIR
 
 
 @pytest.fixture(scope="module")
@@ -24,25 +24,46 @@ def rt(tiled_rt: Runtime) -> Runtime:
     return tiled_rt
 
 
-def cache(rt: Runtime, requests: int, kv_heads: int, capacity: int, d: int, dtype: torch.dtype,
-          lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cache(
+    rt: Runtime,
+    requests: int,
+    kv_heads: int,
+    capacity: int,
+    d: int,
+    dtype: torch.dtype,
+    lengths: list[int],
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [requests, kv_heads, capacity, d], NaN past each request's length (never read)."""
     k, v = (randn(rt, (requests, kv_heads, capacity, d), dtype, seed + i) for i in range(2))
     for b, n in enumerate(lengths):
-        k[b, :, max(n, 0):], v[b, :, max(n, 0):] = float("nan"), float("nan")
+        k[b, :, max(n, 0) :], v[b, :, max(n, 0) :] = float("nan"), float("nan")
     return k, v
 
 
-def decode_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                out: torch.Tensor | None = None) -> OpCall:
+def decode_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> OpCall:
     """The engine's call: q [R, Hkv, G, D] over K, V [R, Hkv, L, D] broadcast over the group, one
     length per request."""
     n = lengths.view(-1, 1, 1)
     return OpCall("attention_decode", (q, k[:, :, None], v[:, :, None], n), out=out)
 
 
-def check_decode(rt: Runtime, lengths: list[int], kv_heads: int, group: int, d: int,
-                 dtype: torch.dtype, capacity: int | None = None, seed: int = 0) -> None:
+def check_decode(
+    rt: Runtime,
+    lengths: list[int],
+    kv_heads: int,
+    group: int,
+    d: int,
+    dtype: torch.dtype,
+    capacity: int | None = None,
+    seed: int = 0,
+) -> None:
     capacity = capacity or max(max(lengths), 1)
     k, v = cache(rt, len(lengths), kv_heads, capacity, d, dtype, lengths, seed)
     q = randn(rt, (len(lengths), kv_heads, group, d), dtype, seed + 2)
@@ -54,8 +75,9 @@ def check_decode(rt: Runtime, lengths: list[int], kv_heads: int, group: int, d: 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", [64, 128, 80])  # 80: the CUDA-core path
 @pytest.mark.parametrize("kv_heads, group", [(4, 1), (2, 4)])
-def test_ragged_lengths_up_to_4096_match_sdpa(rt: Runtime, dtype: torch.dtype, d: int,
-                                              kv_heads: int, group: int) -> None:
+def test_ragged_lengths_up_to_4096_match_sdpa(
+    rt: Runtime, dtype: torch.dtype, d: int, kv_heads: int, group: int
+) -> None:
     rng = random.Random(d * 10 + group)
     lengths = [1, 4096, 127, 128, 129, 1000] + [rng.randint(1, 4096) for _ in range(4)]
     check_decode(rt, lengths, kv_heads, group, d, dtype, seed=d + group)
@@ -113,6 +135,7 @@ def test_runs_are_bitwise_reproducible(rt: Runtime) -> None:
 
 # -- the plan --------------------------------------------------------------------------------
 
+
 def test_constants_agree_with_the_cuda_header() -> None:
     text = (CUDA_DIR / "ops" / "attention.cuh").read_text()
     defines = dict(re.findall(r"#define (GPUOS_ATTN_\w+) (\w+)", text))
@@ -123,8 +146,9 @@ def test_constants_agree_with_the_cuda_header() -> None:
     assert fam.ATTENTION_HEADER == int(defines["GPUOS_ATTN_HEADER"])
 
 
-def views(rows: int, kv_heads: int, group: int, keys: int, d: int
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def views(
+    rows: int, kv_heads: int, group: int, keys: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     q = torch.zeros(rows, kv_heads, group, d)
     k = torch.zeros(rows, kv_heads, 1, keys, d).expand(rows, kv_heads, group, keys, d)
     return q, k, k, torch.zeros(rows, 1, 1, dtype=torch.int32).expand(rows, kv_heads, group)
@@ -154,15 +178,18 @@ def test_each_row_is_owned_by_exactly_one_record_whatever_the_cut() -> None:
 def test_items_depend_on_shapes_not_lengths(rt: Runtime) -> None:
     q, k, _, _ = views(4, 2, 2, 512, 64)
     q, k = q.to(rt.device), k.to(rt.device)
-    counts = {rt.prepare(OpCall("attention_decode", (q, k, k, ints(rt, n).view(4, 1, 1)))).items
-              for n in ([1, 1, 1, 1], [512, 0, -5, 9000])}
+    counts = {
+        rt.prepare(OpCall("attention_decode", (q, k, k, ints(rt, n).view(4, 1, 1)))).items
+        for n in ([1, 1, 1, 1], [512, 0, -5, 9000])
+    }
     assert len(counts) == 1
 
 
 def test_the_encoded_lengths_carry_the_workspace(rt: Runtime) -> None:
     q, k, _, _ = views(2, 2, 2, 300, 64)
-    task = rt.prepare(OpCall("attention_decode", (q.to(rt.device), k.to(rt.device),
-                                                  k.to(rt.device))))
+    task = rt.prepare(
+        OpCall("attention_decode", (q.to(rt.device), k.to(rt.device), k.to(rt.device)))
+    )
     control = task.inputs[3]
     assert control.shape == (2, 2, 2, 1) and (control == 300).all()  # no lengths: L keys
     workspace = control.workspace

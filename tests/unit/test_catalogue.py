@@ -1,5 +1,6 @@
 """Every catalogue operator on each backend against its torch reference (computed in float64),
 over fresh random shapes, non-contiguous and broadcast inputs, and float32/float16/bfloat16."""
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,7 @@ from gpuos_core.catalogue import CATALOGUE, OpSpec
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ‖out − ref‖ / ‖ref‖ bounds for a result stored in each dtype (fp32 compute, rounding on store)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-POSITIVE_FIRST = {"log", "sqrt", "pow"}   # domain: input 0 > 0
+POSITIVE_FIRST = {"log", "sqrt", "pow"}  # domain: input 0 > 0
 AWAY_FROM_ZERO = {"div": 1, "reciprocal": 0}  # input index kept away from 0
 MAP_OPS = sorted(n for n, s in CATALOGUE.items() if s.family == "map")
 
@@ -43,8 +44,9 @@ def check(rt: Runtime, call: OpCall) -> Prepared:
     return task
 
 
-def rand(rt: Runtime, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
-         ) -> torch.Tensor:
+def rand(
+    rt: Runtime, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
     """Fresh normal samples on the runtime's device (drawn on the CPU: same stream everywhere)."""
     return torch.randn(shape, generator=gen).to(dtype=dtype, device=rt.device)
 
@@ -58,8 +60,13 @@ def domain(op: str, k: int, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def map_inputs(rt: Runtime, spec: OpSpec, shapes: list[tuple[int, ...]], dtype: torch.dtype,
-               gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+def map_inputs(
+    rt: Runtime,
+    spec: OpSpec,
+    shapes: list[tuple[int, ...]],
+    dtype: torch.dtype,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, ...]:
     return tuple(domain(spec.name, k, rand(rt, s, dtype, gen) * 2) for k, s in enumerate(shapes))
 
 
@@ -113,7 +120,9 @@ def row_case(rt: Runtime, op: str, dtype: torch.dtype, gen: torch.Generator) -> 
     rows, n = random.randint(1, 9), random.randint(1, 300)
     x = rand(rt, (n, rows), dtype, gen).t()  # non-contiguous rows
     extra = {"layernorm": 2, "rmsnorm": 1}.get(op, 0)
-    params = tuple(rand(rt, (n,), dtype, gen) for _ in range(random.randint(0, extra) if extra else 0))
+    params = tuple(
+        rand(rt, (n,), dtype, gen) for _ in range(random.randint(0, extra) if extra else 0)
+    )
     return OpCall(op, (x * 3,) + params)
 
 
@@ -132,8 +141,9 @@ def test_reductions_over_dims_with_keepdim(rt: Runtime, op: str, dtype: torch.dt
     x = rand(rt, (5, 7, 4), dtype, gen).permute(2, 0, 1)  # (4, 5, 7), non-contiguous
     for dims, keepdim in [(None, False), ((1,), True), ((0, 2), False), ((-1,), False)]:
         task = check(rt, OpCall(op, (x,), dims=dims, keepdim=keepdim))
-        expect = getattr(torch, op)(x.double(), dim=dims if dims else tuple(range(3)),
-                                    keepdim=keepdim)
+        expect = getattr(torch, op)(
+            x.double(), dim=dims if dims else tuple(range(3)), keepdim=keepdim
+        )
         assert task.out.shape == expect.shape
 
 
@@ -156,16 +166,21 @@ def test_attention_decode_over_kv_cache_views(rt: Runtime, dtype: torch.dtype) -
         task = check(rt, OpCall("attention_decode", (q, cache_k[:, :length], cache_v[:, :length])))
         assert task.params.scalars == (1 / math.sqrt(d),)
     q = rand(rt, (heads, d), dtype, gen)
-    check(rt, OpCall("attention_decode", (q, cache_k[:1, :9], cache_v[:1, :9]),
-                     scalars={"scale": 0.3}))  # one KV head shared by every query head
+    check(
+        rt,
+        OpCall("attention_decode", (q, cache_k[:1, :9], cache_v[:1, :9]), scalars={"scale": 0.3}),
+    )  # one KV head shared by every query head
 
 
 def test_a_batch_mixes_operators_and_keeps_each_result(rt: Runtime) -> None:
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     f32 = torch.float32
-    calls = [row_case(rt, "softmax", f32, gen), OpCall("add", (rand(rt, (3,), f32, gen),) * 2),
-             OpCall("mean", (rand(rt, (4, 5), f32, gen),), dims=(1,)),
-             row_case(rt, "rmsnorm", torch.float16, gen)]
+    calls = [
+        row_case(rt, "softmax", f32, gen),
+        OpCall("add", (rand(rt, (3,), f32, gen),) * 2),
+        OpCall("mean", (rand(rt, (4, 5), f32, gen),), dims=(1,)),
+        row_case(rt, "rmsnorm", torch.float16, gen),
+    ]
     tasks = [rt.prepare(c) for c in calls]
     batch = rt.submit(tasks).wait(10)
     for call, task, out in zip(calls, tasks, batch.results()):
@@ -175,8 +190,16 @@ def test_a_batch_mixes_operators_and_keeps_each_result(rt: Runtime) -> None:
 
 
 def test_every_catalogue_operator_is_covered() -> None:
-    covered = set(MAP_OPS) | {"softmax", "log_softmax", "layernorm", "rmsnorm", "sum", "mean",
-                              "rotary", "attention_decode"}
+    covered = set(MAP_OPS) | {
+        "softmax",
+        "log_softmax",
+        "layernorm",
+        "rmsnorm",
+        "sum",
+        "mean",
+        "rotary",
+        "attention_decode",
+    }
     covered |= {"scatter_rows"}  # with the index inputs of rotary and attention: test_index_ops.py
     covered |= {"add_rmsnorm", "add_layernorm"}  # test_fused_norm.py
     covered |= {"sample_tokens"}  # test_device_sampling.py

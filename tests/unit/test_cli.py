@@ -3,6 +3,7 @@
 `bench` and `serve` replace the process (os.execv); the tests record the command line instead.
 Building through the installed console script is tested in tests/integration/test_wheel.py.
 """
+
 from __future__ import annotations
 
 import sys
@@ -39,15 +40,22 @@ def test_bench_refuses_an_unknown_script(capsys: pytest.CaptureFixture[str]) -> 
     assert exited.value.code == 2 and "micro" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, config, rest", [
-    (["serve"], ROOT / "deployments" / "llm.yaml", []),
-    (["serve", "--address", "auto"], ROOT / "deployments" / "llm.yaml", ["--address", "auto"]),
-    (["serve", "multi.yaml", "--non-blocking"], ROOT / "deployments" / "multi.yaml",
-     ["--non-blocking"]),
-    (["serve", "deployments/llm.yaml"], Path("deployments/llm.yaml"), []),
-])
-def test_serve_runs_serve_run_on_a_config(executed: list[list[str]], argv: list[str],
-                                          config: Path, rest: list[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, config, rest",
+    [
+        (["serve"], ROOT / "deployments" / "llm.yaml", []),
+        (["serve", "--address", "auto"], ROOT / "deployments" / "llm.yaml", ["--address", "auto"]),
+        (
+            ["serve", "multi.yaml", "--non-blocking"],
+            ROOT / "deployments" / "multi.yaml",
+            ["--non-blocking"],
+        ),
+        (["serve", "deployments/llm.yaml"], Path("deployments/llm.yaml"), []),
+    ],
+)
+def test_serve_runs_serve_run_on_a_config(
+    executed: list[list[str]], argv: list[str], config: Path, rest: list[str]
+) -> None:
     cli.main(argv)
     assert executed == [[sys.executable, "-m", "ray.serve.scripts", "run", str(config), *rest]]
 

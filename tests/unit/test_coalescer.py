@@ -1,5 +1,6 @@
 """The coalescer against a real runtime: concurrent requests share submissions, each gets its own
 result or its own error, limits and deadlines hold, and knobs change live."""
+
 from __future__ import annotations
 
 import asyncio
@@ -80,13 +81,16 @@ def test_the_window_flushes_a_partial_batch(rt: Runtime) -> None:
 
 def test_a_bad_call_fails_alone_and_is_never_queued(rt: Runtime) -> None:
     coalescer = Coalescer(rt, CoalescerConfig(window_us=2000))
-    good = [OpCall("add", (torch.randn(5, device=rt.device), torch.randn(5, device=rt.device)))
-            for _ in range(3)]
+    good = [
+        OpCall("add", (torch.randn(5, device=rt.device), torch.randn(5, device=rt.device)))
+        for _ in range(3)
+    ]
     bad = OpCall("add", (torch.randn(5, device=rt.device), torch.randn(4, device=rt.device)))
 
     async def main() -> list[Completed | BaseException]:
-        return await asyncio.gather(*(coalescer.submit(c) for c in [good[0], bad, *good[1:]]),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            *(coalescer.submit(c) for c in [good[0], bad, *good[1:]]), return_exceptions=True
+        )
 
     results = run(main)
     assert isinstance(results[1], TensorSpecError) and "broadcast" in str(results[1])
@@ -104,8 +108,9 @@ def test_a_task_failing_on_the_device_fails_only_its_own_request() -> None:
         tasks[2].records["num_inputs"] = 0  # the kernel finds no input: this task fails
 
         async def main() -> list[Completed | BaseException]:
-            return await asyncio.gather(*(coalescer.submit_prepared(t) for t in tasks),
-                                        return_exceptions=True)
+            return await asyncio.gather(
+                *(coalescer.submit_prepared(t) for t in tasks), return_exceptions=True
+            )
 
         results = run(main)
     assert coalescer.stats.sizes == {4: 1}  # they did share a submission
@@ -215,8 +220,10 @@ def test_a_refused_submission_fails_every_request_it_held() -> None:
     assert all(isinstance(r, RuntimeClosedError) for r in run(main))
 
 
-@pytest.mark.parametrize("knobs", [{"max_batch": 0}, {"window_us": -1}, {"max_queue": 0},
-                                   {"deadline_ms": 0}, {"max_batc": 8}])
+@pytest.mark.parametrize(
+    "knobs",
+    [{"max_batch": 0}, {"window_us": -1}, {"max_queue": 0}, {"deadline_ms": 0}, {"max_batc": 8}],
+)
 def test_bad_knobs_are_refused(knobs: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         CoalescerConfig.model_validate(knobs)

@@ -3,6 +3,7 @@ greedy, a seeded row draws the same token alone or batched with other rows, draw
 distribution (temperature, top-k, top-p) over many seeds, and each backend agrees with the torch
 rule (gpuos_core.sampler, what the CPU backend runs) on many rows and vocabularies up to 128256;
 plus Philox's known answers, the rng packing and the validation messages."""
+
 from __future__ import annotations
 
 import math
@@ -11,11 +12,11 @@ import re
 import numpy as np
 import pytest
 import torch
+from test_catalogue import DTYPES
 
 from gpuos_core import OpCall, Runtime
 from gpuos_core.errors import TensorSpecError
 from gpuos_core.sampler import philox4x32, rng_rows, sample_rows
-from test_catalogue import DTYPES
 
 VOCABS = [1, 2, 31, 1000, 50257, 128256]
 PROBS = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
@@ -29,8 +30,9 @@ def rt(backend: str) -> Runtime:
         yield runtime
 
 
-def logits_rows(rows: int, vocab: int, dtype: torch.dtype, seed: int, ties: bool = False,
-                masked: bool = False) -> torch.Tensor:
+def logits_rows(
+    rows: int, vocab: int, dtype: torch.dtype, seed: int, ties: bool = False, masked: bool = False
+) -> torch.Tensor:
     """Logits on the CPU: normal * 4, rounded to integers (many ties) or with some -inf tokens."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, vocab, generator=gen) * 4
@@ -41,13 +43,13 @@ def logits_rows(rows: int, vocab: int, dtype: torch.dtype, seed: int, ties: bool
     return x.to(dtype)
 
 
-def params_rows(rows: int, temperature: float, top_p: float = 1.0, top_k: int = 0
-                ) -> torch.Tensor:
+def params_rows(rows: int, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
     return torch.tensor([[temperature, top_p, float(top_k)]] * rows, dtype=torch.float32)
 
 
-def sample(rt: Runtime, logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor
-           ) -> torch.Tensor:
+def sample(
+    rt: Runtime, logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor
+) -> torch.Tensor:
     """sample_tokens on the runtime's device; the token ids on the CPU."""
     call = OpCall("sample_tokens", tuple(t.to(rt.device) for t in (logits, params, rng)))
     return rt.submit([rt.prepare(call)]).wait(60).result(0).cpu()
@@ -59,11 +61,15 @@ def seeds(rows: int, first: int = 0, step: int = 0) -> torch.Tensor:
 
 def test_philox_known_answers() -> None:
     """Random123's philox4x32-10 known-answer vectors (kat_vectors)."""
-    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2,
-              (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    cases = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ]
     for counter, key, want in cases:
         assert philox4x32(torch.tensor(counter), torch.tensor(key)).tolist() == list(want)
 
@@ -95,25 +101,33 @@ def test_top_k_one_and_tiny_top_p_are_greedy(rt: Runtime, dtype: torch.dtype) ->
     logits = torch.stack([torch.randperm(vocab, generator=gen) for _ in range(rows)]) / 4
     logits = logits.to(dtype)
     greedy = logits.argmax(dim=-1).int()
-    for params in (params_rows(rows, 1.0, top_k=1), params_rows(rows, 1.5, top_p=1e-6),
-                   params_rows(rows, 0.7, top_p=0.0, top_k=50)):
+    for params in (
+        params_rows(rows, 1.0, top_k=1),
+        params_rows(rows, 1.5, top_p=1e-6),
+        params_rows(rows, 0.7, top_p=0.0, top_k=50),
+    ):
         assert torch.equal(sample(rt, logits, params, seeds(rows, step=3)), greedy)
 
 
 def test_seeded_rows_draw_the_same_alone_and_batched(rt: Runtime) -> None:
     rows, vocab = 24, 1000
     logits = logits_rows(rows, vocab, torch.float32, 2) / 4
-    params = torch.tensor([[1.0, 1.0, 0.0], [0.8, 0.9, 0.0], [1.2, 1.0, 20.0],
-                           [0.7, 0.95, 50.0]] * (rows // 4), dtype=torch.float32)
+    params = torch.tensor(
+        [[1.0, 1.0, 0.0], [0.8, 0.9, 0.0], [1.2, 1.0, 20.0], [0.7, 0.95, 50.0]] * (rows // 4),
+        dtype=torch.float32,
+    )
     rng = seeds(rows, first=1000, step=5)
     batched = sample(rt, logits, params, rng)
     perm = torch.randperm(rows, generator=torch.Generator().manual_seed(3))
     assert torch.equal(sample(rt, logits[perm], params[perm], rng[perm]), batched[perm])
-    alone = [sample(rt, logits[i:i + 1], params[i:i + 1], rng[i:i + 1]) for i in range(rows)]
+    alone = [sample(rt, logits[i : i + 1], params[i : i + 1], rng[i : i + 1]) for i in range(rows)]
     assert torch.equal(torch.cat(alone), batched)
-    tasks = [rt.prepare(OpCall("sample_tokens", tuple(t[i].to(rt.device) for t in
-                                                      (logits, params, rng))))
-             for i in range(rows)]  # one task per request, one submission
+    tasks = [
+        rt.prepare(
+            OpCall("sample_tokens", tuple(t[i].to(rt.device) for t in (logits, params, rng)))
+        )
+        for i in range(rows)
+    ]  # one task per request, one submission
     together = [int(t) for t in rt.submit(tasks).wait(60).results()]
     assert together == batched.tolist()
 
@@ -137,18 +151,22 @@ def expected_frequencies(temperature: float, top_p: float, top_k: int) -> np.nda
         q /= q.sum()
     order = np.argsort(-q)
     crossing = int(np.searchsorted(np.cumsum(q[order]), top_p - 1e-12))
-    q[order[crossing + 1:]] = 0
+    q[order[crossing + 1 :]] = 0
     return q / q.sum()
 
 
-@pytest.mark.parametrize("temperature, top_p, top_k", [
-    (1.0, 1.0, 0), (0.5, 1.0, 0), (1.0, 1.0, 2), (1.0, 0.8, 0), (2.0, 0.9, 3)])
-def test_draws_follow_the_distribution(rt: Runtime, temperature: float, top_p: float,
-                                       top_k: int) -> None:
+@pytest.mark.parametrize(
+    "temperature, top_p, top_k",
+    [(1.0, 1.0, 0), (0.5, 1.0, 0), (1.0, 1.0, 2), (1.0, 0.8, 0), (2.0, 0.9, 3)],
+)
+def test_draws_follow_the_distribution(
+    rt: Runtime, temperature: float, top_p: float, top_k: int
+) -> None:
     draws = 20000
     logits = torch.tensor(np.log(PROBS), dtype=torch.float32).expand(draws, -1)
-    tokens = sample(rt, logits, params_rows(draws, temperature, top_p, top_k),
-                    seeds(draws, first=12345))
+    tokens = sample(
+        rt, logits, params_rows(draws, temperature, top_p, top_k), seeds(draws, first=12345)
+    )
     freq = np.bincount(tokens.numpy(), minlength=len(PROBS)) / draws
     want = expected_frequencies(temperature, top_p, top_k)
     sigma = np.sqrt(want * (1 - want) / draws)
@@ -158,9 +176,18 @@ def test_draws_follow_the_distribution(rt: Runtime, temperature: float, top_p: f
 def mixed_params(rows: int, seed: int) -> torch.Tensor:
     """Per-row parameters of every kind, greedy rows among them."""
     gen = torch.Generator().manual_seed(seed)
-    pick = lambda values: torch.tensor(values)[torch.randint(len(values), (rows,), generator=gen)]
-    return torch.stack((pick([0.0, 0.3, 0.7, 1.0, 1.5]), pick([1.0, 1.0, 0.95, 0.8, 0.3]),
-                        pick([0.0, 0.0, 1.0, 2.0, 10.0, 100.0, 5000.0])), dim=-1).float()
+
+    def pick(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values)[torch.randint(len(values), (rows,), generator=gen)]
+
+    return torch.stack(
+        (
+            pick([0.0, 0.3, 0.7, 1.0, 1.5]),
+            pick([1.0, 1.0, 0.95, 0.8, 0.3]),
+            pick([0.0, 0.0, 1.0, 2.0, 10.0, 100.0, 5000.0]),
+        ),
+        dim=-1,
+    ).float()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -168,9 +195,9 @@ def test_agrees_with_the_torch_rule_on_many_rows(rt: Runtime, dtype: torch.dtype
     """Exact on the CPU backend; on a GPU a token may differ only where masses or noisy keys tie
     within float rounding: at most one row in 500."""
     mismatches, total = 0, 0
-    for seed, (rows, vocab, ties, masked) in enumerate([(512, 2000, False, False),
-                                                        (512, 2000, True, True),
-                                                        (8, 128256, False, False)]):
+    for seed, (rows, vocab, ties, masked) in enumerate(
+        [(512, 2000, False, False), (512, 2000, True, True), (8, 128256, False, False)]
+    ):
         logits = logits_rows(rows, vocab, dtype, seed, ties, masked) / (1 + seed)
         params, rng = mixed_params(rows, seed), seeds(rows, first=seed << 40, step=seed)
         got = sample(rt, logits, params, rng)
@@ -185,26 +212,39 @@ def test_leading_dims_broadcast_parameters_and_given_out(rt: Runtime) -> None:
     rng = seeds(6, first=99).view(2, 3, 3)
     want = sample_rows(logits.view(6, 300), params.expand(6, 3), rng.view(6, 3)).view(2, 3)
     out = torch.full((2, 5), -1, dtype=torch.int32, device=rt.device)
-    call = OpCall("sample_tokens", tuple(t.to(rt.device) for t in (logits, params, rng)),
-                  out=out[:, 1:4])
+    call = OpCall(
+        "sample_tokens", tuple(t.to(rt.device) for t in (logits, params, rng)), out=out[:, 1:4]
+    )
     rt.submit([rt.prepare(call)]).wait(60)
     assert torch.equal(out[:, 1:4].cpu(), want)
     assert (out[:, 0] == -1).all() and (out[:, 4] == -1).all()  # nothing written around it
     assert sample(rt, logits[0, 0], params, rng[0, 0]).shape == ()  # one row: a 0-dim token
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"params": torch.ones(4, 3, dtype=torch.float16)}, "input 1 (params: temperature, top_p, "
-                                                        "top_k) must be float32"),
-    ({"rng": torch.ones(4, 3)}, "input 2 (rng) is an index tensor: it must be int32"),
-    ({"params": torch.ones(4, 2)}, "params (temperature, top_p, top_k) (4, 2) must broadcast to "
-                                   "(4, 3)"),
-    ({"rng": torch.ones(3, 3, dtype=torch.int32)}, "rng (seed low word, seed high word, step) "
-                                                  "(3, 3) must broadcast to (4, 3)"),
-    ({"logits": torch.ones(4, 0)}, "logits rows must not be empty"),
-    ({"out_dtype": torch.float32}, "sample_tokens returns torch.int32; out_dtype torch.float32"),
-    ({"out": torch.ones(4)}, "out must be a torch.int32 tensor of shape (4,)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"params": torch.ones(4, 3, dtype=torch.float16)},
+            "input 1 (params: temperature, top_p, top_k) must be float32",
+        ),
+        ({"rng": torch.ones(4, 3)}, "input 2 (rng) is an index tensor: it must be int32"),
+        (
+            {"params": torch.ones(4, 2)},
+            "params (temperature, top_p, top_k) (4, 2) must broadcast to (4, 3)",
+        ),
+        (
+            {"rng": torch.ones(3, 3, dtype=torch.int32)},
+            "rng (seed low word, seed high word, step) (3, 3) must broadcast to (4, 3)",
+        ),
+        ({"logits": torch.ones(4, 0)}, "logits rows must not be empty"),
+        (
+            {"out_dtype": torch.float32},
+            "sample_tokens returns torch.int32; out_dtype torch.float32",
+        ),
+        ({"out": torch.ones(4)}, "out must be a torch.int32 tensor of shape (4,)"),
+    ],
+)
 def test_validation_messages(change: dict, message: str) -> None:
     args = {"logits": torch.randn(4, 10), "params": params_rows(4, 1.0), "rng": seeds(4)}
     args.update(change)

@@ -2,6 +2,7 @@
 (x + y) rounded to x's dtype, bit for bit, and out matches the unfused torch reference
 `r = (x + y).to(x.dtype); out = norm(r) * weight (+ bias)` computed in float64, over ragged and
 strided shapes, tiled tasks and every float dtype; plus the validation messages."""
+
 from __future__ import annotations
 
 import re
@@ -9,11 +10,11 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from test_catalogue import DTYPES, TOLERANCE, rel_error
+from test_index_ops import randn
 
 from gpuos_core import OpCall, Runtime
 from gpuos_core.errors import TensorSpecError
-from test_catalogue import DTYPES, TOLERANCE, rel_error
-from test_index_ops import randn
 
 OPS = ("add_rmsnorm", "add_layernorm")
 SHAPES = [(1, 1), (3, 7), (5, 33), (2, 3, 300), (1, 4096), (17, 1000), (64, 257)]
@@ -24,8 +25,9 @@ def rt(tiled_rt: Runtime) -> Runtime:
     return tiled_rt
 
 
-def unfused(op: str, x: torch.Tensor, y: torch.Tensor, params: tuple[torch.Tensor, ...],
-            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def unfused(
+    op: str, x: torch.Tensor, y: torch.Tensor, params: tuple[torch.Tensor, ...], eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The new x and out the fused operator must give, from the unfused torch ops on the CPU:
     (x + y).to(x.dtype), then the norm of that rounded sum in float64."""
     r = (x.cpu() + y.cpu()).to(x.dtype)
@@ -36,14 +38,26 @@ def unfused(op: str, x: torch.Tensor, y: torch.Tensor, params: tuple[torch.Tenso
     return r, F.layer_norm(r.double(), (n,), *w, eps=eps)
 
 
-def run_fused(rt: Runtime, op: str, x: torch.Tensor, y: torch.Tensor,
-              params: tuple[torch.Tensor, ...], eps: float) -> torch.Tensor:
+def run_fused(
+    rt: Runtime,
+    op: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    params: tuple[torch.Tensor, ...],
+    eps: float,
+) -> torch.Tensor:
     task = rt.prepare(OpCall(op, (x, y) + params, scalars={"eps": eps}))
     return rt.submit([task]).wait(30).result(0)
 
 
-def check(rt: Runtime, op: str, x: torch.Tensor, y: torch.Tensor,
-          params: tuple[torch.Tensor, ...] = (), eps: float = 1e-5) -> None:
+def check(
+    rt: Runtime,
+    op: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    params: tuple[torch.Tensor, ...] = (),
+    eps: float = 1e-5,
+) -> None:
     want_x, want_out = unfused(op, x, y, params, eps)
     out = run_fused(rt, op, x, y, params, eps)
     assert torch.equal(x.cpu(), want_x), "x was not updated to (x + y).to(x.dtype)"
@@ -57,8 +71,9 @@ def test_fused_equals_unfused_over_shapes(rt: Runtime, op: str, dtype: torch.dty
     for seed, shape in enumerate(SHAPES):
         n = shape[-1]
         x, y = randn(rt, shape, dtype, 3 * seed), randn(rt, shape, dtype, 3 * seed + 1)
-        params = tuple(randn(rt, (n,), dtype, 100 + k) for k in range(2 if op == "add_layernorm"
-                                                                      else 1))
+        params = tuple(
+            randn(rt, (n,), dtype, 100 + k) for k in range(2 if op == "add_layernorm" else 1)
+        )
         check(rt, op, x, y, params)
 
 
@@ -86,8 +101,14 @@ def test_strided_views_update_in_place(rt: Runtime, op: str, dtype: torch.dtype)
 def test_ragged_tasks_in_one_submission(rt: Runtime) -> None:
     """Residual streams of different requests (lengths and dtypes) in one batch, each its own."""
     cases = []
-    for seed, (rows, n, dtype) in enumerate([(1, 64, torch.float16), (7, 64, torch.bfloat16),
-                                             (3, 300, torch.float32), (2, 5, torch.float16)]):
+    for seed, (rows, n, dtype) in enumerate(
+        [
+            (1, 64, torch.float16),
+            (7, 64, torch.bfloat16),
+            (3, 300, torch.float32),
+            (2, 5, torch.float16),
+        ]
+    ):
         x, y = randn(rt, (rows, n), dtype, 10 * seed), randn(rt, (rows, n), dtype, 10 * seed + 1)
         w = randn(rt, (n,), dtype, 10 * seed + 2)
         op = OPS[seed % 2]
@@ -100,13 +121,16 @@ def test_ragged_tasks_in_one_submission(rt: Runtime) -> None:
         assert rel_error(out.cpu(), want_out) < TOLERANCE[out.dtype], op
 
 
-@pytest.mark.parametrize("inputs, message", [
-    (lambda x: (x, x[:, :4]), "input 1 (the residual y) must have the shape of input 0"),
-    (lambda x: (x[:1].expand(3, 8), x), "updated in place, so it must not be an expanded view"),
-    (lambda x: (x, x, torch.ones(7)), "input 2 must have shape (8,)"),
-    (lambda x: (x, x.int()), "input 1 has dtype torch.int32"),
-    (lambda x: (x,), "takes 2 to 3 tensor input(s), got 1"),
-])
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        (lambda x: (x, x[:, :4]), "input 1 (the residual y) must have the shape of input 0"),
+        (lambda x: (x[:1].expand(3, 8), x), "updated in place, so it must not be an expanded view"),
+        (lambda x: (x, x, torch.ones(7)), "input 2 must have shape (8,)"),
+        (lambda x: (x, x.int()), "input 1 has dtype torch.int32"),
+        (lambda x: (x,), "takes 2 to 3 tensor input(s), got 1"),
+    ],
+)
 def test_validation_messages(inputs, message: str) -> None:
     with Runtime("cpu") as rt:
         with pytest.raises(TensorSpecError, match=re.escape(message)):

@@ -1,15 +1,16 @@
 """gather_rows (embedding lookups inside a device program): out row r = table row index[r], zeros
 for an index outside the table, against a loop over the rows, on each backend; a program rerun
 after its index tensor changed; the validation messages."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_catalogue import DTYPES
+from test_index_ops import ints, randn, run
 
 from gpuos_core import OpCall, Runtime
 from gpuos_core.errors import TensorSpecError
-from test_catalogue import DTYPES
-from test_index_ops import ints, randn, run
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +62,16 @@ def test_a_program_rereads_the_index_each_run(rt: Runtime) -> None:
         assert torch.equal(doubled.cpu(), 2 * gathered(table, index, torch.float32))
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda t, i: OpCall("gather_rows", (t, i.float())), r"input 1 \(index\) is an index tensor"),
-    (lambda t, i: OpCall("gather_rows", (t[:, :0], i)), "table rows must not be empty"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda t, i: OpCall("gather_rows", (t, i.float())),
+            r"input 1 \(index\) is an index tensor",
+        ),
+        (lambda t, i: OpCall("gather_rows", (t[:, :0], i)), "table rows must not be empty"),
+    ],
+)
 def test_gather_validation(rt: Runtime, call, message: str) -> None:
     table, index = randn(rt, (5, 8), torch.float32, 24), ints(rt, [1, 2])
     with pytest.raises(TensorSpecError, match=message):

@@ -1,15 +1,16 @@
 """Every CUDA source and catalogue operator compiles with NVRTC and links into one worker image
 (no GPU needed); images hold the current and previous version of a swapped operator."""
+
 from __future__ import annotations
 
 import pytest
+from test_jit import ARCHS
 
 from gpuos_core.build import catalogue_slots
 from gpuos_core.catalogue import CATALOGUE, expression_spec, new_version
 from gpuos_core.image import build_image, jump_table_source
 from gpuos_core.jit import JitCache
 from gpuos_core.optable import OpTable
-from test_jit import ARCHS
 
 ELF_EXECUTABLE = 2  # e_type of a linked cubin (objects are 1, relocatable)
 
@@ -38,8 +39,12 @@ def test_an_image_holds_current_and_previous_of_swapped_operators(cache: JitCach
     table, v2 = table.swapped(new_version(table.current("fma").spec, "A * B + C * 0.5"))
     table, g2 = table.swapped(new_version(table.current("gelu").spec, "gelu_tanh(A)"))
     slots = table.slots()
-    assert [v.symbol for v in slots] == ["gpuos_op_fma_v1", "gpuos_op_fma_v2",
-                                         "gpuos_op_gelu_v1", "gpuos_op_gelu_v2"]
+    assert [v.symbol for v in slots] == [
+        "gpuos_op_fma_v1",
+        "gpuos_op_fma_v2",
+        "gpuos_op_gelu_v1",
+        "gpuos_op_gelu_v2",
+    ]
     assert jump_table_source(slots).count("gpuos_op_") == 2 * len(slots)  # declared and listed
     assert_linked_image(build_image(slots, "sm_90", cache).binary, [v.symbol for v in slots])
 

@@ -3,8 +3,10 @@
 Every import statement counts, wherever it stands (module level, inside a function, under
 `if TYPE_CHECKING:`): a circle hidden in a function or a type hint still ties the modules together.
 Importing a submodule runs its parent packages' `__init__` too; that implicit edge is left out
-(it would put every package in a circle with its `__init__`), an explicit `from pkg import x` is not.
+(it would put every package in a circle with its `__init__`), an explicit `from pkg import x` is
+not.
 """
+
 from __future__ import annotations
 
 import ast
@@ -57,8 +59,10 @@ def _absolute(package: str, module: str | None, level: int) -> str:
 def import_graph(package: str) -> dict[str, set[str]]:
     """Module → the package's modules it imports (names outside the package are dropped)."""
     found = modules(package)
-    return {name: {m for m in imported(name, path) if m in found and m != name}
-            for name, path in found.items()}
+    return {
+        name: {m for m in imported(name, path) if m in found and m != name}
+        for name, path in found.items()
+    }
 
 
 def circles(graph: Graph) -> list[list[str]]:

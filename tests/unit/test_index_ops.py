@@ -2,6 +2,7 @@
 per-row KV lengths, rotary at per-row positions, and scatter_rows into a KV cache. Each backend
 against references built independently in float64 (slicing, gathering, a loop over rows), plus
 the validation messages, and a decode program rerun after its index tensors changed."""
+
 from __future__ import annotations
 
 import re
@@ -9,11 +10,11 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from test_catalogue import DTYPES, TOLERANCE, rel_error
 
 from gpuos_core import OpCall, Runtime
 from gpuos_core.catalogue import CATALOGUE, run_reference
 from gpuos_core.errors import TensorSpecError
-from test_catalogue import DTYPES, TOLERANCE, rel_error
 
 I32 = torch.int32
 
@@ -24,7 +25,8 @@ def rt(tiled_rt: Runtime) -> Runtime:
 
 
 def randn(rt: Runtime, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Normal samples drawn on the CPU (the same numbers on every backend), on the runtime's device."""
+    """Normal samples drawn on the CPU (the same numbers on every backend), on the runtime's
+    device."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen).to(dtype=dtype, device=rt.device)
 
@@ -44,8 +46,10 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 # -- attention decode over per-row lengths ----------------------------------------------------
 
-def sliced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
-                     ) -> torch.Tensor:
+
+def sliced_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     """Per request b, SDPA of its queries [Hkv, G, D] over keys [0, min(lengths[b], L)) of its
     cache [Hkv, L, D]; zeros for a request with no key. float64 on the CPU."""
     q, k, v = (t.cpu().double() for t in (q, k, v))
@@ -59,8 +63,9 @@ def sliced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
-def test_attention_ragged_lengths_match_sliced_reference(rt: Runtime, dtype: torch.dtype,
-                                                         d: int) -> None:
+def test_attention_ragged_lengths_match_sliced_reference(
+    rt: Runtime, dtype: torch.dtype, d: int
+) -> None:
     kv_heads, group, capacity = 1, 2, 4096
     lengths = [1, 2, 31, 33, 257, 1000, 4095, 4096]
     batch = len(lengths)
@@ -86,20 +91,27 @@ def test_attention_lengths_zero_negative_and_past_the_cache(rt: Runtime) -> None
 
 def test_attention_lengths_from_a_strided_view_on_a_single_row(rt: Runtime) -> None:
     every = ints(rt, [9, 100, 3, 100])
-    q, k, v = (randn(rt, shape, torch.float16, seed)
-               for seed, shape in ((7, (2, 32)), (8, (2, 12, 32)), (9, (2, 12, 32))))
+    q, k, v = (
+        randn(rt, shape, torch.float16, seed)
+        for seed, shape in ((7, (2, 32)), (8, (2, 12, 32)), (9, (2, 12, 32)))
+    )
     out = run(rt, OpCall("attention_decode", (q, k, v, every[::2])))  # lengths 9 and 3
-    assert_close(out, sliced_attention(q[:, None, None], k[:, None], v[:, None],
-                                       every[::2].cpu())[:, 0, 0])
+    assert_close(
+        out, sliced_attention(q[:, None, None], k[:, None], v[:, None], every[::2].cpu())[:, 0, 0]
+    )
     row = run(rt, OpCall("attention_decode", (q[0], k[0], v[0], every[2])))  # 0-dim length
-    assert_close(row, sliced_attention(q[:1, None, None], k[:1, None], v[:1, None],
-                                       every[2:3].cpu())[0, 0, 0])
+    assert_close(
+        row,
+        sliced_attention(q[:1, None, None], k[:1, None], v[:1, None], every[2:3].cpu())[0, 0, 0],
+    )
 
 
 # -- rotary at per-row positions --------------------------------------------------------------
 
-def gathered_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    positions: torch.Tensor) -> torch.Tensor:
+
+def gathered_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """Hugging Face's rotate-half rotary with the tables' rows gathered at the clamped positions
     (cos/sin [P, D/2] repeated to [P, D]). float64 on the CPU."""
     x, cos, sin = (t.cpu().double() for t in (x, cos, sin))
@@ -112,8 +124,9 @@ def gathered_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", [2, 64, 128, 256])
 @pytest.mark.parametrize("tokens", [1, 7, 33])
-def test_rotary_positions_per_row_match_gathered_tables(rt: Runtime, dtype: torch.dtype, d: int,
-                                                        tokens: int) -> None:
+def test_rotary_positions_per_row_match_gathered_tables(
+    rt: Runtime, dtype: torch.dtype, d: int, tokens: int
+) -> None:
     heads, table = 3, 50
     angle = torch.arange(table)[:, None] * 0.9 ** torch.arange(d // 2)
     cos, sin = (f(angle).to(dtype=dtype, device=rt.device) for f in (torch.cos, torch.sin))
@@ -129,7 +142,7 @@ def test_rotary_positions_in_place_over_strided_rows_and_tables(rt: Runtime) -> 
     angle = randn(rt, (table, d), torch.float32, 10)
     cos, sin = angle.cos()[:, ::2], angle.sin()[:, ::2]  # non-contiguous tables [20, 8]
     qkv = randn(rt, (tokens, 3 * heads, d), torch.float32, 11)
-    k = qkv[:, heads:2 * heads]  # a strided view, rotated in place
+    k = qkv[:, heads : 2 * heads]  # a strided view, rotated in place
     positions = ints(rt, [[p] * heads for p in (3, 0, 19, 7, 7, 2)])  # already expanded
     expect = gathered_rotary(k, cos, sin, positions)
     run(rt, OpCall("rotary", (k, cos, sin, positions), out=k))
@@ -137,6 +150,7 @@ def test_rotary_positions_in_place_over_strided_rows_and_tables(rt: Runtime) -> 
 
 
 # -- scatter_rows into a KV cache ------------------------------------------------------------
+
 
 def scattered(cache: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """cache with row index[r] = src row r for every in-range index, by a loop over src's rows
@@ -152,14 +166,20 @@ def scattered(cache: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> to
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [1, 5, 300])
-def test_scatter_appends_tokens_to_a_kv_pool_with_padding_rows(rt: Runtime, dtype: torch.dtype,
-                                                               tokens: int) -> None:
+def test_scatter_appends_tokens_to_a_kv_pool_with_padding_rows(
+    rt: Runtime, dtype: torch.dtype, tokens: int
+) -> None:
     slots, max_len, kv_heads, d = 4, 96, 2, 64
     pool = randn(rt, (slots, max_len, kv_heads, d), dtype, 12)
     src = randn(rt, (tokens, kv_heads, d), dtype, 13)
     # token t goes to slot t % slots at position t // slots; every third token is padding
-    index = [[-1 if t % 3 == 2 else ((t % slots) * max_len + t // slots) * kv_heads + h
-              for h in range(kv_heads)] for t in range(tokens)]
+    index = [
+        [
+            -1 if t % 3 == 2 else ((t % slots) * max_len + t // slots) * kv_heads + h
+            for h in range(kv_heads)
+        ]
+        for t in range(tokens)
+    ]
     index[0][0] = slots * max_len * kv_heads  # one past the cache: skipped too
     index = ints(rt, index)
     expect = scattered(pool, src, index)
@@ -182,6 +202,7 @@ def test_scatter_into_a_non_contiguous_cache_view_converting_dtype(rt: Runtime) 
 
 # -- one decode program, built once, rerun with new indices (data moves, the program does not) --
 
+
 def test_a_decode_program_reruns_with_new_positions_slots_and_lengths(rt: Runtime) -> None:
     slots, max_len, heads, d = 3, 16, 2, 8
     keys = torch.zeros((slots, heads, max_len, d), device=rt.device)
@@ -201,8 +222,15 @@ def test_a_decode_program_reruns_with_new_positions_slots_and_lengths(rt: Runtim
         k_new.copy_(randn(rt, k_new.shape, torch.float32, 20 + n))
         q.copy_(randn(rt, q.shape, torch.float32, 30 + n))
         positions.copy_(ints(rt, [[max(p, 0)] for p in at]))
-        rows.copy_(ints(rt, [[(s * heads + h) * max_len + p if p >= 0 else -1
-                              for h in range(heads)] for s, p in enumerate(at)]))
+        rows.copy_(
+            ints(
+                rt,
+                [
+                    [(s * heads + h) * max_len + p if p >= 0 else -1 for h in range(heads)]
+                    for s, p in enumerate(at)
+                ],
+            )
+        )
         lengths.copy_(ints(rt, [[p + 1] for p in at]))
         expect = scattered(expect, gathered_rotary(k_new, cos, sin, positions), rows)
         rt.submit(step).wait(30)
@@ -214,9 +242,11 @@ def test_run_reference_of_index_operators_matches_the_runtime(rt: Runtime) -> No
     """The engine's torch path (run_reference) agrees with the operators, scatter included."""
     q, k = randn(rt, (3, 8), torch.float32, 16), randn(rt, (3, 5, 8), torch.float32, 17)
     cache = randn(rt, (6, 8), torch.float32, 18)
-    calls = [OpCall("attention_decode", (q, k, k, ints(rt, [5, 0, 2]))),
-             OpCall("rotary", (q, k[0, :, :4], k[1, :, :4], ints(rt, [4, 1, 9]))),
-             OpCall("scatter_rows", (q, ints(rt, [5, -1, 0])), out=cache.clone())]
+    calls = [
+        OpCall("attention_decode", (q, k, k, ints(rt, [5, 0, 2]))),
+        OpCall("rotary", (q, k[0, :, :4], k[1, :, :4], ints(rt, [4, 1, 9]))),
+        OpCall("scatter_rows", (q, ints(rt, [5, -1, 0])), out=cache.clone()),
+    ]
     for call in calls:
         ref = run_reference(CATALOGUE[call.op], call)
         assert_close(run(rt, call), ref.double())
@@ -224,26 +254,44 @@ def test_run_reference_of_index_operators_matches_the_runtime(rt: Runtime) -> No
 
 # -- validation ------------------------------------------------------------------------------
 
+
 def test_index_inputs_are_validated(rt: Runtime) -> None:
     x, k = torch.zeros(2, 3, 8, device=rt.device), torch.zeros(2, 3, 10, 8, device=rt.device)
     table = torch.zeros(10, 4, device=rt.device)
     good = ints(rt, [[1], [2]])
     cases = [
-        (OpCall("attention_decode", (x, k, k, good.float())),
-         "input 3 (lengths) is an index tensor: it must be int32, got torch.float32"),
+        (
+            OpCall("attention_decode", (x, k, k, good.float())),
+            "input 3 (lengths) is an index tensor: it must be int32, got torch.float32",
+        ),
         (OpCall("attention_decode", (x, k, k, good.long())), "must be int32, got torch.int64"),
-        (OpCall("attention_decode", (x, k, k, good[None])),
-         "attention lengths (1, 2, 1) must broadcast to the leading dims (2, 3)"),
-        (OpCall("attention_decode", (x, k, good, good)),
-         "input 2 has dtype torch.int32; use float32, float16 or bfloat16 (only its lengths"),
-        (OpCall("rotary", (x, table, table, good.float())), "input 3 (positions) is an index tensor"),
-        (OpCall("rotary", (x, table[None], table[None], good)), "cos and sin must be tables [P, 4]"),
+        (
+            OpCall("attention_decode", (x, k, k, good[None])),
+            "attention lengths (1, 2, 1) must broadcast to the leading dims (2, 3)",
+        ),
+        (
+            OpCall("attention_decode", (x, k, good, good)),
+            "input 2 has dtype torch.int32; use float32, float16 or bfloat16 (only its lengths",
+        ),
+        (
+            OpCall("rotary", (x, table, table, good.float())),
+            "input 3 (positions) is an index tensor",
+        ),
+        (
+            OpCall("rotary", (x, table[None], table[None], good)),
+            "cos and sin must be tables [P, 4]",
+        ),
         (OpCall("rotary", (x, table, table[:3], good)), "cos and sin must be tables [P, 4]"),
-        (OpCall("rotary", (x, table, table, good[None])), "rotary positions (1, 2, 1) must broadcast"),
+        (
+            OpCall("rotary", (x, table, table, good[None])),
+            "rotary positions (1, 2, 1) must broadcast",
+        ),
         (OpCall("scatter_rows", (x, good)), "out= (the cache"),
         (OpCall("scatter_rows", (x, good.float()), out=k), "input 1 (index) is an index tensor"),
-        (OpCall("scatter_rows", (x, good), out=torch.zeros(4, 9, device=rt.device)),
-         "out's last dim must be src's (8)"),
+        (
+            OpCall("scatter_rows", (x, good), out=torch.zeros(4, 9, device=rt.device)),
+            "out's last dim must be src's (8)",
+        ),
         (OpCall("scatter_rows", (x, ints(rt, [1, 2])), out=k), "scatter_rows index"),
         (OpCall("add", (x, good)), "(it takes no int32 index input)"),
         (OpCall("softmax", (x, good)), "softmax takes 1 tensor input(s), got 2"),

@@ -1,4 +1,5 @@
 """The NVRTC JIT: real compiles, real links, a real on-disk cache in a fresh directory per test."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,14 @@ import pytest
 
 from gpuos_core import jit
 from gpuos_core.errors import CompileError, LinkError
-from gpuos_core.jit import (CompileSpec, JitCache, compile_object, device_arch, link_image,
-                            supported_archs)
+from gpuos_core.jit import (
+    CompileSpec,
+    JitCache,
+    compile_object,
+    device_arch,
+    link_image,
+    supported_archs,
+)
 
 # Two units that only link together: the kernel calls a device function defined in the other one.
 SQUARE = CompileSpec(
@@ -60,7 +67,8 @@ def test_units_find_the_abi_header_on_the_include_path() -> None:
         '#include "gpuos_abi.h"\n'
         'extern "C" __device__ void gpuos_test_op(const GpuosTask* task) {\n'
         "  float* out = (float*)task->out.data;\n"
-        "  for (int64_t i = task->range_begin + threadIdx.x; i < task->range_end; i += blockDim.x)\n"
+        "  for (int64_t i = task->range_begin + threadIdx.x; i < task->range_end;\n"
+        "       i += blockDim.x)\n"
         "    out[i] = task->scalars[0];\n"
         "}\n"
     )

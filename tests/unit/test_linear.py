@@ -2,6 +2,7 @@
 decode and prefill row counts, K and N off the tile sizes, fp32/fp16/bf16, leading dims and
 strided views (both kernel paths on a GPU), split-K plans, records cut anywhere, reruns, and the
 validation messages. The plan's arithmetic is checked against the kernel's header."""
+
 from __future__ import annotations
 
 import random
@@ -12,15 +13,23 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_catalogue import DTYPES, TOLERANCE, rel_error
 
 from gpuos_core import OpCall, Runtime
 from gpuos_core.abi import TASK, encode_task
 from gpuos_core.calls import Prepared
 from gpuos_core.errors import TensorSpecError
-from gpuos_core.families import (DEFAULT_SMS, LINEAR_COLS, LINEAR_KSTEP, LINEAR_PART_ROWS,
-                                 LINEAR_ROWS, LINEAR_STEP_ALIGN, LinearPlan, family)
+from gpuos_core.families import (
+    DEFAULT_SMS,
+    LINEAR_COLS,
+    LINEAR_KSTEP,
+    LINEAR_PART_ROWS,
+    LINEAR_ROWS,
+    LINEAR_STEP_ALIGN,
+    LinearPlan,
+    family,
+)
 from gpuos_core.paths import CUDA_DIR
-from test_catalogue import DTYPES, TOLERANCE, rel_error
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +56,9 @@ def check(rt: Runtime, task: Prepared) -> None:
     assert err < TOLERANCE[task.out.dtype], f"linear {tuple(x.shape)} x {tuple(w.shape)}: {err:.2e}"
 
 
-def linear(rt: Runtime, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           **call: object) -> Prepared:
+def linear(
+    rt: Runtime, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, **call: object
+) -> Prepared:
     return rt.prepare(OpCall("linear", (x, w) if bias is None else (x, w, bias), **call))
 
 
@@ -72,12 +82,12 @@ def test_leading_dims_and_strided_views(rt: Runtime, dtype: torch.dtype) -> None
     task = linear(rt, x, w, bias)
     assert task.out.shape == (2, 3, 96)
     check(rt, task)
-    check(rt, linear(rt, x.transpose(0, 1), w, bias))      # rows not one stride apart
-    check(rt, linear(rt, x[..., ::2], w[:, :32], bias))    # K strided in x and in W
+    check(rt, linear(rt, x.transpose(0, 1), w, bias))  # rows not one stride apart
+    check(rt, linear(rt, x[..., ::2], w[:, :32], bias))  # K strided in x and in W
     wide = randn(rt, (6, 80), dtype, 4)
-    check(rt, linear(rt, wide[:, 8:72], w, bias))          # rows 80 apart, 16-byte aligned
-    check(rt, linear(rt, wide[:, 1:65], w, bias))          # rows off 16-byte alignment
-    task = linear(rt, x[0, 0], w)                          # one row, no leading dims
+    check(rt, linear(rt, wide[:, 8:72], w, bias))  # rows 80 apart, 16-byte aligned
+    check(rt, linear(rt, wide[:, 1:65], w, bias))  # rows off 16-byte alignment
+    task = linear(rt, x[0, 0], w)  # one row, no leading dims
     assert task.out.shape == (96,)
     check(rt, task)
 
@@ -85,7 +95,7 @@ def test_leading_dims_and_strided_views(rt: Runtime, dtype: torch.dtype) -> None
 def test_given_out_views_and_out_dtype(rt: Runtime) -> None:
     x, w = randn(rt, (5, 64), torch.float16, 1), randn(rt, (70, 64), torch.float16, 2)
     buffer = torch.full((5, 80), float("nan"), dtype=torch.float16, device=rt.device)
-    task = linear(rt, x, w, out=buffer[:, 3:73])           # rows 80 apart
+    task = linear(rt, x, w, out=buffer[:, 3:73])  # rows 80 apart
     check(rt, task)
     assert torch.isnan(buffer[:, :3]).all() and torch.isnan(buffer[:, 73:]).all()
     scattered = torch.full((3, 2, 70), float("nan"), device=rt.device).transpose(0, 1)[:, :, :]
@@ -144,13 +154,28 @@ def test_the_plan_agrees_with_the_kernel() -> None:
     header = (CUDA_DIR / "ops" / "linear.cuh").read_text()
     defines = dict(re.findall(r"#define GPUOS_LINEAR_(\w+) (\d+)", header))
     assert {k: int(defines[k]) for k in ("BM", "BN", "KSTEP", "STEP_ALIGN", "PART_ROWS")} == {
-        "BM": LINEAR_ROWS, "BN": LINEAR_COLS, "KSTEP": LINEAR_KSTEP,
-        "STEP_ALIGN": LINEAR_STEP_ALIGN, "PART_ROWS": LINEAR_PART_ROWS}
+        "BM": LINEAR_ROWS,
+        "BN": LINEAR_COLS,
+        "KSTEP": LINEAR_KSTEP,
+        "STEP_ALIGN": LINEAR_STEP_ALIGN,
+        "PART_ROWS": LINEAR_PART_ROWS,
+    }
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 2304, 768), (1, 768, 3072), (1, 50257, 768),
-                                   (64, 2048, 8192), (64, 8192, 2048), (512, 2048, 2048),
-                                   (3, 70, 1000), (5, 5, 0), (0, 5, 5)])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 2304, 768),
+        (1, 768, 3072),
+        (1, 50257, 768),
+        (64, 2048, 8192),
+        (64, 8192, 2048),
+        (512, 2048, 2048),
+        (3, 70, 1000),
+        (5, 5, 0),
+        (0, 5, 5),
+    ],
+)
 def test_plans_fill_the_device_without_empty_splits(m: int, n: int, k: int) -> None:
     plan = LinearPlan.choose(m, n, k, DEFAULT_SMS)
     steps = -(-k // LINEAR_KSTEP)

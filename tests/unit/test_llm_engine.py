@@ -2,6 +2,7 @@
 GPT-2 and Llama configs with ragged prompts decoded together, on the runtime (CPU backend here, CUDA
 where there is one) and with torch micro-ops; sampling, stop strings, max_tokens, bounded KV slots,
 queueing and errors."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +24,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_tiny_model(tmp_path_factory.mktemp(request.param) / "model", request.param, seed=3)
+    return create_tiny_model(
+        tmp_path_factory.mktemp(request.param) / "model", request.param, seed=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +48,9 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, 256, (n,), generator=gen).tolist() for n in lengths]
 
 
-def run_together(engine: Engine, batch: list[list[int]], params: SamplingParams
-                 ) -> list[tuple[list[int], list[torch.Tensor]]]:
+def run_together(
+    engine: Engine, batch: list[list[int]], params: SamplingParams
+) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Submit every prompt at once (they share steps); each one's generated ids and logits."""
     streams = [engine.submit(p, params, keep_logits=True) for p in batch]
     finals = [list(s)[-1] for s in streams]
@@ -58,12 +62,13 @@ def run_together(engine: Engine, batch: list[list[int]], params: SamplingParams
 def reference_logits(model: Model, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """Rows of one full forward that predict each generated token."""
     sequence = torch.tensor(prompt + generated[:-1], device=model.weights.embed.device)
-    return forward_tokens(model, sequence)[len(prompt) - 1:].float().cpu()
+    return forward_tokens(model, sequence)[len(prompt) - 1 :].float().cpu()
 
 
 @pytest.mark.parametrize("micro_ops", ["runtime", "torch"])
-def test_engine_logits_equal_the_reference_forward(model_dir: Path, runtime: Runtime,
-                                                   micro_ops: str) -> None:
+def test_engine_logits_equal_the_reference_forward(
+    model_dir: Path, runtime: Runtime, micro_ops: str
+) -> None:
     model = device_model(model_dir, runtime)
     engine = start(model, runtime, micro_ops=micro_ops, max_running=4, max_step_tokens=24)
     try:
@@ -88,17 +93,22 @@ def test_engine_logits_in_bf16(model_dir: Path, runtime: Runtime) -> None:
         engine.close()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                    reason="Hugging Face `transformers` is not installed (optional)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="Hugging Face `transformers` is not installed (optional)",
+)
 def test_engine_logits_equal_transformers(model_dir: Path, runtime: Runtime) -> None:
     import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, torch_dtype=torch.float32
+    ).eval()
     engine = start(device_model(model_dir, runtime), runtime)
     try:
         batch = prompts([3, 12], seed=2)
         for prompt, (generated, logits) in zip(batch, run_together(engine, batch, GREEDY)):
             with torch.no_grad():
-                expected = hf(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
+                expected = hf(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1 :]
             torch.testing.assert_close(torch.stack(logits), expected, rtol=1e-4, atol=1e-4)
     finally:
         engine.close()
@@ -113,8 +123,10 @@ def engine(model_dir: Path, runtime: Runtime) -> Iterator[Engine]:
 
 def test_seed_makes_sampling_reproducible(engine: Engine) -> None:
     prompt = prompts([6])[0]
-    streams = [engine.submit(prompt, SamplingParams(max_tokens=12, temperature=2.0, seed=s))
-               for s in (11, 11, 12, 13, 14)]
+    streams = [
+        engine.submit(prompt, SamplingParams(max_tokens=12, temperature=2.0, seed=s))
+        for s in (11, 11, 12, 13, 14)
+    ]
     ids = [(list(s), s.tokens)[1] for s in streams]
     assert ids[0] == ids[1] and len(ids[0]) == 12
     assert any(other != ids[0] for other in ids[2:])  # (the tiny model's distributions are peaked)
@@ -131,16 +143,19 @@ def test_stop_string_truncates_and_finishes_with_stop(engine: Engine) -> None:
     full, _ = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0))
     stop = full[4:6]
     assert stop, f"the greedy completion {full!r} is too short to pick a stop string from"
-    text, last = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=[stop]))
+    text, last = engine.generate(
+        prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=[stop])
+    )
     assert last.finish_reason == "stop"
-    assert text == full[:full.index(stop)]
+    assert text == full[: full.index(stop)]
 
 
 def test_more_requests_than_slots_queue_and_all_finish(engine: Engine) -> None:
     peak = []
     streams = [engine.submit(p, GREEDY) for p in prompts([3, 8, 2, 5, 7], seed=4)]
-    watcher = threading.Thread(target=lambda: [peak.append(engine.stats()["running"])
-                                               for _ in range(200)])
+    watcher = threading.Thread(
+        target=lambda: [peak.append(engine.stats()["running"]) for _ in range(200)]
+    )
     watcher.start()
     finals = [list(s)[-1] for s in streams]
     watcher.join()
@@ -170,6 +185,7 @@ def test_context_limits(engine: Engine) -> None:
         engine.submit([], GREEDY)
     with pytest.raises(PromptTooLongError, match="outside the vocabulary"):
         engine.submit([1, 999], GREEDY)
-    _, last = engine.generate([1] * (engine.max_len - 3), SamplingParams(max_tokens=50,
-                                                                           temperature=0.0))
+    _, last = engine.generate(
+        [1] * (engine.max_len - 3), SamplingParams(max_tokens=50, temperature=0.0)
+    )
     assert last.finish_reason == "length" and last.completion_tokens == 3

@@ -1,6 +1,8 @@
-"""Sampling for the LLM engine: parameter validation, stop strings over streamed text, and incremental
-detokenisation with the byte tokenizer and real Hugging Face `tokenizers` BPE tokenizers trained here.
+"""Sampling for the LLM engine: parameter validation, stop strings over streamed text, and
+incremental detokenisation with the byte tokenizer and real Hugging Face `tokenizers` BPE tokenizers
+trained here.
 (The draw itself, greedy / top-k / top-p / seeded, is sample_tokens: test_device_sampling.py.)"""
+
 from __future__ import annotations
 
 import math
@@ -12,16 +14,35 @@ from serving.llm import ByteTokenizer
 from serving.llm.sampling import Detokenizer, SamplingError, SamplingParams, StopMatcher
 from serving.llm.tokenizer import HFTokenizer
 
-CORPUS = ["the quick brown fox jumps over the lazy dog", "a streaming server sends tokens as they come",
-          "every request samples with its own seed", "stop strings end a completion early"] * 20
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a streaming server sends tokens as they come",
+    "every request samples with its own seed",
+    "stop strings end a completion early",
+] * 20
 
 
 # ------------------------------------------------------------------------------------------- params
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("max_tokens", 2.0), ("temperature", -0.1), ("temperature", 2.5),
-    ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("top_k", True),
-    ("seed", -1), ("seed", "7"), ("stop", ["a", "b", "c", "d", "e"]), ("stop", ["ok", ""]),
-    ("stop", [3]), ("stop", 3)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", 2.0),
+        ("temperature", -0.1),
+        ("temperature", 2.5),
+        ("temperature", math.nan),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("top_k", True),
+        ("seed", -1),
+        ("seed", "7"),
+        ("stop", ["a", "b", "c", "d", "e"]),
+        ("stop", ["ok", ""]),
+        ("stop", [3]),
+        ("stop", 3),
+    ],
+)
 def test_bad_field_raises_naming_it(field: str, value: object) -> None:
     with pytest.raises(SamplingError, match=field) as error:
         SamplingParams(**{field: value})
@@ -30,9 +51,9 @@ def test_bad_field_raises_naming_it(field: str, value: object) -> None:
 
 def test_stop_is_a_tuple_whatever_was_given() -> None:
     assert SamplingParams(stop=["\n\n", "END"]).stop == ("\n\n", "END")
-    assert SamplingParams(stop="END").stop == ("END",)   # one string is one stop, not its characters
+    assert SamplingParams(stop="END").stop == ("END",)  # one string is one stop, not its characters
     assert SamplingParams(stop=None).stop == ()
-    hash(SamplingParams(stop=["x"]))                       # usable as a key once converted
+    hash(SamplingParams(stop=["x"]))  # usable as a key once converted
 
 
 def test_boundary_values_are_accepted() -> None:
@@ -60,7 +81,7 @@ def test_partial_prefix_is_released_when_it_does_not_complete() -> None:
 
 def test_overlapping_prefix_holds_the_longest_candidate() -> None:
     matcher = StopMatcher(["aab"])
-    assert matcher.feed("xaa") == ("x", False)       # "a" and "aa" could both start the stop
+    assert matcher.feed("xaa") == ("x", False)  # "a" and "aa" could both start the stop
     assert matcher.feed("b") == ("", True)
 
 
@@ -74,7 +95,7 @@ def test_earliest_of_several_stops_wins() -> None:
     assert StopMatcher(["world", "lo"]).feed("hello world") == ("hel", True)
     matcher = StopMatcher(["zzz", "o w"])
     assert matcher.feed("hello") == ("hell", False)
-    assert matcher.feed(" wzzz") == ("", True)         # "o w" starts before "zzz"
+    assert matcher.feed(" wzzz") == ("", True)  # "o w" starts before "zzz"
 
 
 def test_no_stops_passes_text_through() -> None:
@@ -84,7 +105,7 @@ def test_no_stops_passes_text_through() -> None:
 @pytest.mark.parametrize("text", ["the answer is 42.\n\nQ: next", "no stop here, only \n single"])
 def test_every_split_emits_the_text_before_the_stop(text: str) -> None:
     stops = ["\n\n", "Q:"]
-    expected = text[:text.index("\n\n")] if "\n\n" in text else text
+    expected = text[: text.index("\n\n")] if "\n\n" in text else text
     for cut in range(len(text) + 1):
         for deltas in ([text[:cut], text[cut:]], list(text)):
             matcher, out, found = StopMatcher(stops), "", False
@@ -107,32 +128,42 @@ def test_byte_tokens_of_multibyte_characters() -> None:
     pieces = push_all(Detokenizer(tokenizer), tokenizer.encode(text))
     assert "".join(pieces) == text
     assert not any("\ufffd" in p for p in pieces)
-    assert pieces[:3] == ["h", "", "é"]           # the first byte of é emits nothing
+    assert pieces[:3] == ["h", "", "é"]  # the first byte of é emits nothing
 
 
 def train(pre_tokenizer: object, decoder: object, alphabet: list[str]) -> HFTokenizer:
     inner = Tokenizer(models.BPE(unk_token="<unk>"))
     inner.pre_tokenizer, inner.decoder = pre_tokenizer, decoder
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"],
-                                  initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=200,
+        special_tokens=["<unk>", "</s>"],
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
     inner.train_from_iterator(CORPUS, trainer)
     return HFTokenizer(inner, inner.token_to_id("</s>"))
 
 
 def test_hf_byte_level_bpe_round_trip() -> None:
     # GPT-2 style: é, ö and ✓ are not in the corpus, so they are split into byte tokens
-    tokenizer = train(pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(),
-                      pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = train(
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        decoders.ByteLevel(),
+        pre_tokenizers.ByteLevel.alphabet(),
+    )
     text = "the quick fox says héllo wörld ✓ to every request"
     ids = tokenizer.encode(text)
-    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)   # the test does cross partial characters
+    assert any(
+        "\ufffd" in tokenizer.decode([i]) for i in ids
+    )  # the test does cross partial characters
     pieces = push_all(Detokenizer(tokenizer), ids)
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces)
 
 
 def test_hf_sentencepiece_style_bpe_round_trip() -> None:
-    # Llama style: decoding a token alone drops its leading space, so per-token decoding would glue words
+    # Llama style: decoding a token alone drops its leading space, so per-token decoding would glue
+    # words
     tokenizer = train(pre_tokenizers.Metaspace(), decoders.Metaspace(), [])
     text = "the lazy dog sends tokens as they come"
     ids = tokenizer.encode(text)

@@ -2,6 +2,7 @@
 `transformers` (AutoTokenizer, apply_chat_template) for a small BPE tokenizer built here: BOS as
 tokenizer_config.json says, special tokens in text, decoding without them, streamed decoding, every
 EOS id of generation_config.json, sampling defaults; the tiny models' own chat template."""
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,16 @@ transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-            "{% endif %}")
-CORPUS = ["The quick brown fox jumps over the lazy dog.", "héllo wörld, ünïcode ✓ and emoji 🦊",
-          "Hello, how are you today? I am fine, thank you."] * 20
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "héllo wörld, ünïcode ✓ and emoji 🦊",
+    "Hello, how are you today? I am fine, thank you.",
+] * 20
 
 
 def make(path: Path, tokenizer_config: dict[str, Any]) -> Path:
@@ -31,19 +37,34 @@ def make(path: Path, tokenizer_config: dict[str, Any]) -> Path:
     inner = Tokenizer(models.BPE(unk_token="<unk>"))
     inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     inner.decoder = decoders.ByteLevel()
-    inner.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    inner.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
-        ("<s>", inner.token_to_id("<s>"))])
+    inner.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=SPECIALS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    inner.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", inner.token_to_id("<s>"))]
+    )
     inner.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-        "eos_token": "</s>", "unk_token": {"__type": "AddedToken", "content": "<unk>"},
-        "chat_template": TEMPLATE, **tokenizer_config}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": {"__type": "AddedToken", "content": "<unk>"},
+                "chat_template": TEMPLATE,
+                **tokenizer_config,
+            }
+        )
+    )
     (path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
-    (path / "generation_config.json").write_text(json.dumps({
-        "eos_token_id": [2, 4], "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, 4], "do_sample": True, "temperature": 0.6, "top_p": 0.9})
+    )
     return path
 
 
@@ -57,8 +78,10 @@ def test_encode_and_decode_equal_transformers(tmp_path: Path, add_bos: bool | No
     for text in TEXTS:
         ids = ours.encode(text)
         assert ids == hf(text)["input_ids"], text
-        assert ours.encode(text, add_special_tokens=False) == hf(
-            text, add_special_tokens=False)["input_ids"]
+        assert (
+            ours.encode(text, add_special_tokens=False)
+            == hf(text, add_special_tokens=False)["input_ids"]
+        )
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
     assert ours.encode("hi")[0] == 1  # tokenizer.json's post-processor adds BOS, as transformers
 
@@ -76,16 +99,21 @@ def test_eos_ids_and_generation_defaults(tmp_path: Path) -> None:
     tok = load_tokenizer(path)
     assert tok.eos_id == 2 and tok.eos_ids == {2, 4} and tok.bos_id == 1
     assert load_generation_config(path).defaults() == {"temperature": 0.6, "top_p": 0.9}
-    (path / "generation_config.json").write_text(json.dumps({"do_sample": False,
-                                                             "temperature": 0.6}))
+    (path / "generation_config.json").write_text(
+        json.dumps({"do_sample": False, "temperature": 0.6})
+    )
     assert load_generation_config(path).defaults() == {}
 
 
 def test_chat_template_equals_transformers(tmp_path: Path) -> None:
     path = make(tmp_path, {})
     hf = transformers.AutoTokenizer.from_pretrained(path)
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓"},
-            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Fox?"}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi ✓"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Fox?"},
+    ]
     template = load_chat_template(path)
     assert template is not None
     text = template.render(chat)

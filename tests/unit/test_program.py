@@ -1,6 +1,7 @@
 """Device programs: a dependency graph of tasks in one submission gives the same results as the
 same calls run one by one, on each backend; programs larger than the ring, concurrent submitters,
 and operator swaps between runs."""
+
 from __future__ import annotations
 
 import random
@@ -40,7 +41,11 @@ def random_calls(rt: Runtime, n: int, seed: int) -> tuple[list[OpCall], list[tup
         pool = fresh + made
         op = pick.choice(BINARY + UNARY)
         args = tuple(pick.choice(pool) for _ in range(1 if op in UNARY else 2))
-        out = pick.choice(made) if made and pick.random() < 0.15 else torch.empty(shape, device=rt.device)
+        out = (
+            pick.choice(made)
+            if made and pick.random() < 0.15
+            else torch.empty(shape, device=rt.device)
+        )
         calls.append(OpCall(op, args, out=out))
         after.append(tuple(pick.sample(range(i), min(i, 2))) if pick.random() < 0.1 else ())
         made.append(out)
@@ -80,13 +85,17 @@ def test_a_rebound_program_runs_over_new_tensors_and_leaves_the_old_ones(rt: Run
     """A Binding moves a program's inputs (views included) and outputs to other tensors, every
     tile of a task (the CPU runtime here tiles too); the intermediate stays where it was built,
     and results already written stay as they are."""
+
     def tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return torch.randn(9, 300).to(rt.device), torch.randn(8, 300).to(rt.device), \
-            torch.empty(8, 300, device=rt.device)
+        return (
+            torch.randn(9, 300).to(rt.device),
+            torch.randn(8, 300).to(rt.device),
+            torch.empty(8, 300, device=rt.device),
+        )
 
     x, y, out = tensors()
     build = rt.program()
-    h = build.add(OpCall("sigmoid", (x[1:],)))          # reads a view of x, one row in
+    h = build.add(OpCall("sigmoid", (x[1:],)))  # reads a view of x, one row in
     build.add(OpCall("add", (h, y), out=out))
     program = build.build()
     addresses = [x.data_ptr(), y.data_ptr(), out.data_ptr()]
@@ -106,13 +115,13 @@ def test_edges_follow_data_flow_and_drop_implied_ones() -> None:
     with Runtime("cpu") as rt:
         x = torch.randn(4, 8)
         build = rt.program()
-        a = build.add(OpCall("relu", (x,)))             # 0
-        b = build.add(OpCall("sigmoid", (a,)))          # 1: reads 0
-        c = build.add(OpCall("tanh", (a,)))             # 2: reads 0
-        d = build.add(OpCall("add", (b, c)))            # 3: diamond: 1 and 2
-        build.add(OpCall("add", (d, a)))                # 4: reads 3 and 0; 0 implied by 3
-        build.add(OpCall("neg", (x,), out=a))           # 5: overwrites a: after its readers 1, 2, 4
-        build.add(OpCall("relu", (x,)), after=(0,))     # 6: only the explicit order
+        a = build.add(OpCall("relu", (x,)))  # 0
+        b = build.add(OpCall("sigmoid", (a,)))  # 1: reads 0
+        c = build.add(OpCall("tanh", (a,)))  # 2: reads 0
+        d = build.add(OpCall("add", (b, c)))  # 3: diamond: 1 and 2
+        build.add(OpCall("add", (d, a)))  # 4: reads 3 and 0; 0 implied by 3
+        build.add(OpCall("neg", (x,), out=a))  # 5: overwrites a: after its readers 1, 2, 4
+        build.add(OpCall("relu", (x,)), after=(0,))  # 6: only the explicit order
         program = build.build()
         assert program.deps == ((), (0,), (0,), (1, 2), (3,), (4,), (0,))
         rt.submit(program).wait(10)
@@ -140,7 +149,7 @@ def test_a_program_ten_times_the_ring_runs_as_space_frees(backend: str) -> None:
         x = torch.randn(1000).to(rt.device)
         build = rt.program()
         y = x
-        for k in range(700):  # a dependent chain: every record waits for the one before it
+        for _k in range(700):  # a dependent chain: every record waits for the one before it
             y = build.add(OpCall("add", (y, x)))
         program = build.build()
         for _ in range(2):
@@ -173,7 +182,9 @@ def test_eight_threads_submit_programs_and_plain_batches_at_once(rt: Runtime) ->
             rt.submit(program)
             plain = rt.submit([rt.prepare(OpCall("mul", (x, x))) for _ in range(4)]).wait(60)
             rt.submit(program).wait(60)  # waits for the run before it first
-            if not torch.equal(y, x * 31) or not all(torch.equal(o, x * x) for o in plain.results()):
+            if not torch.equal(y, x * 31) or not all(
+                torch.equal(o, x * x) for o in plain.results()
+            ):
                 errors.append(f"thread {k}: wrong result")
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
@@ -192,7 +203,11 @@ def test_swap_and_rollback_take_effect_at_the_next_run(rt: Runtime) -> None:
     z = build.add(OpCall("add", (y, y)))
     program = build.build()
     runs = []
-    for change in (None, lambda: rt.swap("prog_affine", "A * 3"), lambda: rt.rollback("prog_affine")):
+    for change in (
+        None,
+        lambda: rt.swap("prog_affine", "A * 3"),
+        lambda: rt.rollback("prog_affine"),
+    ):
         if change:
             change()
         runs.append((rt.submit(program).wait(30).versions[0], z.clone()))

@@ -1,5 +1,6 @@
 """The operator registry: a stored state brings any replica's runtime to the same versions, changes
 are all-or-nothing, and the file survives restarts and refuses corruption."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -10,8 +11,15 @@ import torch
 
 from gpuos_core import ExpressionError, Runtime
 from serving.errors import RegistryDivergedError, RegistryError
-from serving.registry import (ChangeNote, RegistryState, RegistryStore, ReplicaRegistry,
-                              apply_state, op_record, snapshot)
+from serving.registry import (
+    ChangeNote,
+    RegistryState,
+    RegistryStore,
+    ReplicaRegistry,
+    apply_state,
+    op_record,
+    snapshot,
+)
 
 
 @pytest.fixture
@@ -23,11 +31,11 @@ def rt() -> Iterator[Runtime]:
 def made_history(rt: Runtime) -> RegistryState:
     """register, swaps and rollbacks leaving versions 1..4 of `lin` with active stack [1, 3]."""
     rt.register("lin", "A * 2 + B", 2)
-    rt.swap("lin", "A * 3 + B")     # v2
-    rt.rollback("lin")              # [1]
-    rt.swap("lin", "A * 4 + B")     # v3: [1, 3]
-    rt.swap("lin", "A * 5 + B")     # v4: [1, 3, 4]
-    rt.rollback("lin")              # [1, 3]
+    rt.swap("lin", "A * 3 + B")  # v2
+    rt.rollback("lin")  # [1]
+    rt.swap("lin", "A * 4 + B")  # v3: [1, 3]
+    rt.swap("lin", "A * 5 + B")  # v4: [1, 3, 4]
+    rt.rollback("lin")  # [1, 3]
     rt.swap("sigmoid", "1 / (1 + exp(-A))")
     return snapshot(rt.table, seq=7)
 
@@ -87,22 +95,27 @@ def test_a_corrupt_state_file_is_refused_with_its_path(tmp_path: Path) -> None:
         store.load()
 
 
-def test_a_change_made_on_one_replica_reaches_another_through_the_store(tmp_path: Path,
-                                                                      rt: Runtime) -> None:
+def test_a_change_made_on_one_replica_reaches_another_through_the_store(
+    tmp_path: Path, rt: Runtime
+) -> None:
     store = RegistryStore(tmp_path)
     mine = ReplicaRegistry(rt, store)
-    made, state = mine.change(lambda r: r.register("lin", "A * 2"),
-                              ChangeNote(op="lin", action="register"))
+    made, state = mine.change(
+        lambda r: r.register("lin", "A * 2"), ChangeNote(op="lin", action="register")
+    )
     assert made.version == 1 and state.seq == 1 and store.load() == state
     with Runtime("cpu") as peer_rt:
         peer = ReplicaRegistry(peer_rt, store)
         assert peer.catch_up().seq == 1
-        _, state = peer.change(lambda r: r.swap("lin", "A * 3"),
-                               ChangeNote(op="lin", action="swap", reason="faster"))
+        _, state = peer.change(
+            lambda r: r.swap("lin", "A * 3"), ChangeNote(op="lin", action="swap", reason="faster")
+        )
         assert state.seq == 2
     assert mine.catch_up() == state  # the first replica sees the peer's change
     assert [(r.seq, r.action, r.version, r.by, r.reason) for r in state.log] == [
-        (1, "register", 1, "admin", None), (2, "swap", 2, "admin", "faster")]
+        (1, "register", 1, "admin", None),
+        (2, "swap", 2, "admin", "faster"),
+    ]
     x = torch.randn(4)
     torch.testing.assert_close(rt.run("lin", x), x * 3)
 

@@ -1,5 +1,6 @@
 """The runtime API on the CPU backend: batches, waiting, registering, swapping and rolling back
 operators (with real NVRTC compiles of each new version), typed errors."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from gpuos_core import (CompileError, ExpressionError, RawCudaDisabledError, OpCall, OperatorExistsError, RollbackError,
-                        Runtime, RuntimeClosedError, TaskFailedError, TensorSpecError,
-                        UnknownOperatorError)
+from gpuos_core import (
+    CompileError,
+    ExpressionError,
+    OpCall,
+    OperatorExistsError,
+    RawCudaDisabledError,
+    RollbackError,
+    Runtime,
+    RuntimeClosedError,
+    TaskFailedError,
+    TensorSpecError,
+    UnknownOperatorError,
+)
 from gpuos_core.backends.cpu import CpuBackend
 from gpuos_core.batch import Batch
 from gpuos_core.catalogue import CATALOGUE
@@ -200,8 +211,9 @@ def test_one_failing_task_fails_only_itself(cpu_rt: Runtime) -> None:
 
 def test_a_task_writes_only_its_range_of_work_items(cpu_rt: Runtime) -> None:
     backend = CpuBackend()
-    backend.load(Image(1, (OpVersion(CATALOGUE["neg"], 1), OpVersion(CATALOGUE["softmax"], 1))),
-                 None)
+    backend.load(
+        Image(1, (OpVersion(CATALOGUE["neg"], 1), OpVersion(CATALOGUE["softmax"], 1))), None
+    )
     elem = cpu_rt.prepare(OpCall("neg", (torch.randn(4, 6).t(),), out=torch.zeros(6, 4)))
     rows = cpu_rt.prepare(OpCall("softmax", (torch.randn(5, 3),), out=torch.zeros(5, 3)))
     records = np.concatenate([elem.records, rows.records])
@@ -221,8 +233,12 @@ def test_a_task_writes_only_its_range_of_work_items(cpu_rt: Runtime) -> None:
 def test_tiles_cover_every_work_item_once(cpu_rt: Runtime) -> None:
     task = cpu_rt.prepare(OpCall("softmax", (torch.randn(10, 300),)))
     records = encode_records(task, tile_elements=1000)  # 3 rows of 300 per tile
-    assert list(zip(records["range_begin"], records["range_end"])) == [(0, 3), (3, 6), (6, 9),
-                                                                       (9, 10)]
+    assert list(zip(records["range_begin"], records["range_end"])) == [
+        (0, 3),
+        (3, 6),
+        (6, 9),
+        (9, 10),
+    ]
     assert (records["out"]["data"] == task.out.data_ptr()).all()
     assert len(encode_records(task, tile_elements=None)) == 1
 
@@ -250,8 +266,7 @@ def test_raw_cuda_operator_serves_with_its_expression_as_reference(backend: str)
         torch.testing.assert_close(rt.run("triple", x), x * 3)
 
 
-def test_raw_cuda_that_does_not_compile_is_refused_and_the_old_version_serves(backend: str
-                                                                             ) -> None:
+def test_raw_cuda_that_does_not_compile_is_refused_and_the_old_version_serves(backend: str) -> None:
     with raw_cuda_runtime(backend) as rt:
         rt.register("twice", "A * 2")
         with pytest.raises(CompileError) as info:

@@ -2,6 +2,7 @@
 the small elementwise work, and flushes before anything can observe an unwritten result. Every
 snippet also runs traced: recorded once, then replayed on new inputs, still eager's results
 (tests/unit/test_trace.py has the guards and the rest of tracing)."""
+
 from __future__ import annotations
 
 import time
@@ -11,8 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpuos_core import Runtime
-from gpuos_core import Scheduler, SchedulerConfig, scheduler
+from gpuos_core import Runtime, Scheduler, SchedulerConfig, scheduler
 
 Snippet = Callable[..., object]
 
@@ -27,8 +27,15 @@ def rand(rt: Runtime, *shape: int, dtype: torch.dtype = torch.float32) -> torch.
     return torch.randn(*shape, device=rt.device).to(dtype)
 
 
-def compare(rt: Runtime, fn: Snippet, *inputs: torch.Tensor, fuse: bool = True,
-            atol: float = 1e-5, rtol: float = 1e-4, replays: bool = True) -> Scheduler:
+def compare(
+    rt: Runtime,
+    fn: Snippet,
+    *inputs: torch.Tensor,
+    fuse: bool = True,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    replays: bool = True,
+) -> Scheduler:
     """Runs `fn` eagerly, under a scheduler and traced (see `traced`) on the same inputs;
     results must agree. The scheduler of the plain run, for its stats."""
     want = fn(*inputs)
@@ -39,8 +46,14 @@ def compare(rt: Runtime, fn: Snippet, *inputs: torch.Tensor, fuse: bool = True,
     return sched
 
 
-def traced(rt: Runtime, fn: Snippet, inputs: tuple[torch.Tensor, ...], fuse: bool,
-           replays: bool, **tolerance: float) -> None:
+def traced(
+    rt: Runtime,
+    fn: Snippet,
+    inputs: tuple[torch.Tensor, ...],
+    fuse: bool,
+    replays: bool,
+    **tolerance: float,
+) -> None:
     """`fn` traced: recorded on `inputs`, then called on new inputs like them and on `inputs`
     again. Every call's results equal eager's, also after the later calls ran (a replay writes
     new tensors); the later calls replay, or (`replays` False) say why they cannot."""
@@ -70,15 +83,21 @@ def test_mlp_block_runs_matmuls_in_torch_and_activations_on_the_runtime(rt: Runt
     assert sched.stats.intercepted == 2 and sched.stats.tasks == 2  # gelu, residual add
 
 
-@pytest.mark.parametrize("fn", [
-    lambda x, y: F.silu(x) * y,
-    lambda x, y: F.gelu(x * y + 1.0),
-    lambda x, y: F.gelu(x, approximate="tanh") - F.silu(y),
-    lambda x, y: F.leaky_relu(F.hardswish(x), 0.2) + F.hardsigmoid(y) * F.elu(y),
-    lambda x, y: torch.clamp(F.softplus(x, beta=2.0), -0.5, 0.5) + F.hardtanh(y, -0.3, 0.3),
-    lambda x, y: torch.maximum(torch.exp(-x.abs()), torch.sqrt(y * y).log().neg()),
-    lambda x, y: torch.pow(x.sin() + 2, y.cos()) + 2 ** x.tanh() + (1 - x).reciprocal().clamp(0, 4),
-], ids=["silu_mul", "gelu_affine", "gelu_tanh_silu", "activations", "clamps", "math", "pow"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, y: F.silu(x) * y,
+        lambda x, y: F.gelu(x * y + 1.0),
+        lambda x, y: F.gelu(x, approximate="tanh") - F.silu(y),
+        lambda x, y: F.leaky_relu(F.hardswish(x), 0.2) + F.hardsigmoid(y) * F.elu(y),
+        lambda x, y: torch.clamp(F.softplus(x, beta=2.0), -0.5, 0.5) + F.hardtanh(y, -0.3, 0.3),
+        lambda x, y: torch.maximum(torch.exp(-x.abs()), torch.sqrt(y * y).log().neg()),
+        lambda x, y: (
+            torch.pow(x.sin() + 2, y.cos()) + 2 ** x.tanh() + (1 - x).reciprocal().clamp(0, 4)
+        ),
+    ],
+    ids=["silu_mul", "gelu_affine", "gelu_tanh_silu", "activations", "clamps", "math", "pow"],
+)
 def test_elementwise_chains_fuse_into_one_task_and_match_eager(rt: Runtime, fn: Snippet) -> None:
     sched = compare(rt, fn, rand(rt, 8, 33), rand(rt, 8, 33))
     assert sched.stats.tasks == 1 and sched.stats.fused == sched.stats.intercepted - 1
@@ -101,7 +120,7 @@ def test_scalars_are_parameters_so_new_values_reuse_the_operator(rt: Runtime) ->
     compare(rt, lambda x: torch.relu(x * 0.25 + 3.0), x)
     names = rt.table.names()
     for scale in (0.5, -1.5, 7.0):
-        sched = compare(rt, lambda x: torch.relu(x * scale + 3.0), x)
+        sched = compare(rt, lambda x, scale=scale: torch.relu(x * scale + 3.0), x)
         assert sched.stats.registered == 0
     assert rt.table.names() == names
 
@@ -115,8 +134,9 @@ def test_layernorm_written_by_hand_matches_eager(rt: Runtime) -> None:
 
     x, w, b = rand(rt, 6, 48), rand(rt, 48), rand(rt, 48)
     sched = compare(rt, layernorm, x, w, b)
-    torch.testing.assert_close(layernorm(x, w, b), F.layer_norm(x, (48,), w, b, eps=1e-5),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        layernorm(x, w, b), F.layer_norm(x, (48,), w, b, eps=1e-5), atol=1e-5, rtol=1e-4
+    )
     # five tasks, each reading the one before: mean | d² | mean | d·rsqrt(var+eps)·w | + b (a
     # task reads at most 3 tensors); five dependency levels, one device program
     assert sched.stats.tasks == 5 and sched.stats.submissions == 1
@@ -128,8 +148,9 @@ def test_single_token_softmax_attention_matches_eager(rt: Runtime) -> None:
         scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
         return torch.softmax(scores, dim=-1) @ v
 
-    sched = compare(rt, attend, rand(rt, 4, 1, 32), rand(rt, 4, 37, 32), rand(rt, 4, 37, 32),
-                    replays=False)  # bmm runs in torch
+    sched = compare(
+        rt, attend, rand(rt, 4, 1, 32), rand(rt, 4, 37, 32), rand(rt, 4, 37, 32), replays=False
+    )  # bmm runs in torch
     assert sched.stats.intercepted == 2 and sched.stats.tasks == 2  # the scaling, the softmax
     assert sched.stats.fallbacks["aten.bmm.default"] == 2
 
@@ -137,8 +158,7 @@ def test_single_token_softmax_attention_matches_eager(rt: Runtime) -> None:
 def test_softmax_over_any_dim_and_reductions_over_dims(rt: Runtime) -> None:
     x = rand(rt, 5, 6, 7)
     compare(rt, lambda x: (torch.softmax(x, 0), F.log_softmax(x, 1), F.log_softmax(x, -1)), x)
-    compare(rt, lambda x: (x.sum(), x.sum((0, 2)), x.mean(1, keepdim=True), x.mean(), x.sum(-1)),
-            x)
+    compare(rt, lambda x: (x.sum(), x.sum((0, 2)), x.mean(1, keepdim=True), x.mean(), x.sum(-1)), x)
 
 
 def test_in_place_update_of_a_pending_result_sees_its_value(rt: Runtime) -> None:
@@ -163,7 +183,7 @@ def test_in_place_update_of_an_input_waits_for_the_pending_task(rt: Runtime) -> 
 
 def test_views_of_pending_results_are_written_and_read_after_a_flush(rt: Runtime) -> None:
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        row = torch.tanh(x)[1:3]          # a view whose base is still pending
+        row = torch.tanh(x)[1:3]  # a view whose base is still pending
         col = (x * 3).t()[0]
         alias = torch.sigmoid(x).detach()  # an alias that does not keep its base alive
         return row, col * 2, torch.exp(row), alias  # ops reading views of pending results
@@ -241,8 +261,13 @@ def test_unsupported_ops_large_tensors_and_autograd_fall_back_to_torch(rt: Runti
         outs = (torch.erf(x), big * 2, i + 1, x.div(2, rounding_mode="floor"))
         loss = (torch.sigmoid(w) * x).sum()
         loss.backward()  # backward's own small ops may be intercepted: they need no grad
-    for op in ("aten.erf.default", "aten.mul.Tensor", "aten.add.Tensor", "aten.div.Tensor_mode",
-               "aten.sigmoid.default"):
+    for op in (
+        "aten.erf.default",
+        "aten.mul.Tensor",
+        "aten.add.Tensor",
+        "aten.div.Tensor_mode",
+        "aten.sigmoid.default",
+    ):
         assert sched.stats.fallbacks[op] >= 1
     torch.testing.assert_close(outs[1], big * 2)
     torch.testing.assert_close(w.grad, x * torch.sigmoid(w) * (1 - torch.sigmoid(w)))

@@ -1,6 +1,7 @@
 """Error → HTTP answer: every error class of the project has a declared status, what the caller
 got wrong is 4xx, what failed on our side (runtime, device, waits, files) is 5xx, and the bodies
 keep their shapes (ours, OpenAI's) with non-finite numbers written distinguishably."""
+
 from __future__ import annotations
 
 import json
@@ -15,31 +16,66 @@ import serving.app  # noqa: F401  (imports every module that defines an error cl
 from gpuos_core import errors as core
 from gpuos_core.backends.cudadrv import CudaError
 from serving import errors as serving_errors
-from serving.errors import (STATUS, AdminAuthError, EngineFailedError, ModelNotFoundError,
-                            ServingError, TensorDataError, error_body, error_response,
-                            finite_json, openai_body, status_of)
-from serving.llm.engine import (EngineClosedError, EngineFullError, NonFiniteLogitsError,
-                                PromptTooLongError)
+from serving.errors import (
+    STATUS,
+    AdminAuthError,
+    EngineFailedError,
+    ModelNotFoundError,
+    ServingError,
+    TensorDataError,
+    error_body,
+    error_response,
+    finite_json,
+    openai_body,
+    status_of,
+)
+from serving.llm.engine import (
+    EngineClosedError,
+    EngineFullError,
+    NonFiniteLogitsError,
+    PromptTooLongError,
+)
 from serving.llm.model import KVCacheFullError, ModelLoadError
 from serving.llm.sampling import SamplingError
 
 EXPECTED_STATUS = {  # the contract, class by class
-    core.ExpressionError: 400, core.CompileError: 400, core.LinkError: 400,
-    SamplingError: 400, PromptTooLongError: 400, serving_errors.UnsupportedParameterError: 400,
+    core.ExpressionError: 400,
+    core.CompileError: 400,
+    core.LinkError: 400,
+    SamplingError: 400,
+    PromptTooLongError: 400,
+    serving_errors.UnsupportedParameterError: 400,
     core.RawCudaDisabledError: 403,
-    core.UnknownOperatorError: 404, ModelNotFoundError: 404,
-    core.OperatorExistsError: 409, core.RollbackError: 409,
+    core.UnknownOperatorError: 404,
+    ModelNotFoundError: 404,
+    core.OperatorExistsError: 409,
+    core.RollbackError: 409,
     serving_errors.RequestTooLargeError: 413,
-    TensorDataError: 422, core.TensorSpecError: 422, core.CanaryMismatchError: 422,
-    core.CanaryCrashError: 422, core.NonFiniteOutputError: 422, pydantic.ValidationError: 422,
+    TensorDataError: 422,
+    core.TensorSpecError: 422,
+    core.CanaryMismatchError: 422,
+    core.CanaryCrashError: 422,
+    core.NonFiniteOutputError: 422,
+    pydantic.ValidationError: 422,
     RequestValidationError: 422,
     # our side: never 4xx
-    core.TaskFailedError: 500, core.ProgramError: 500, CudaError: 500, ModelLoadError: 500,
-    serving_errors.RegistryError: 500, EngineFailedError: 500, NonFiniteLogitsError: 500,
-    core.WaitTimeoutError: 503, core.StalledWorkerError: 503, core.RuntimeClosedError: 503,
-    core.BackendUnavailableError: 503, serving_errors.RegistryDivergedError: 503,
-    serving_errors.QueueFullError: 503, KVCacheFullError: 503, EngineFullError: 503,
-    EngineClosedError: 503, serving_errors.DeadlineExceededError: 504,
+    core.TaskFailedError: 500,
+    core.ProgramError: 500,
+    CudaError: 500,
+    ModelLoadError: 500,
+    serving_errors.RegistryError: 500,
+    EngineFailedError: 500,
+    NonFiniteLogitsError: 500,
+    core.WaitTimeoutError: 503,
+    core.StalledWorkerError: 503,
+    core.RuntimeClosedError: 503,
+    core.BackendUnavailableError: 503,
+    serving_errors.RegistryDivergedError: 503,
+    serving_errors.QueueFullError: 503,
+    KVCacheFullError: 503,
+    EngineFullError: 503,
+    EngineClosedError: 503,
+    serving_errors.DeadlineExceededError: 504,
 }
 
 
@@ -61,8 +97,9 @@ def bare(cls: type[BaseException]) -> BaseException:
     return cls.__new__(cls)
 
 
-@pytest.mark.parametrize("cls", sorted(EXPECTED_STATUS, key=lambda c: c.__name__),
-                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", sorted(EXPECTED_STATUS, key=lambda c: c.__name__), ids=lambda c: c.__name__
+)
 def test_each_error_class_has_its_status(cls: type[BaseException]) -> None:
     assert status_of(bare(cls)) == EXPECTED_STATUS[cls]
 
@@ -81,7 +118,8 @@ def test_an_undeclared_error_is_a_500_whose_body_names_no_internals() -> None:
     assert status_of(ZeroDivisionError("x")) == 500
     assert error_body(ZeroDivisionError("secret path /x"), 500) == {
         "error": "InternalError",
-        "detail": "unexpected ZeroDivisionError; the replica's log has the details"}
+        "detail": "unexpected ZeroDivisionError; the replica's log has the details",
+    }
     assert status_of(AdminAuthError("wrong", 403)) == 403
     assert status_of(HTTPException(405)) == 405
 
@@ -89,9 +127,11 @@ def test_an_undeclared_error_is_a_500_whose_body_names_no_internals() -> None:
 def test_bodies_carry_public_fields_with_non_finite_numbers_as_strings() -> None:
     cases = [{"rel_error": math.inf, "ok": False}, {"rel_error": math.nan, "x": -math.inf}]
     body = error_body(core.CanaryMismatchError("disagrees", cases), 422)
-    assert body == {"error": "CanaryMismatchError", "detail": "disagrees",
-                    "cases": [{"rel_error": "Infinity", "ok": False},
-                              {"rel_error": "NaN", "x": "-Infinity"}]}
+    assert body == {
+        "error": "CanaryMismatchError",
+        "detail": "disagrees",
+        "cases": [{"rel_error": "Infinity", "ok": False}, {"rel_error": "NaN", "x": "-Infinity"}],
+    }
     json.dumps(body, allow_nan=False)
     assert finite_json([1.0, math.nan, (math.inf,)]) == [1.0, "NaN", ["Infinity"]]
 
@@ -101,9 +141,14 @@ def test_the_route_picks_the_shape_and_503_says_when_to_retry() -> None:
     assert ours.status_code == 503 and ours.headers["Retry-After"] == "1"
     assert json.loads(ours.body) == {"error": "QueueFullError", "detail": "full"}
     openai = error_response(ModelNotFoundError("no such model"), "/v1/completions")
-    assert json.loads(openai.body) == {"error": {"message": "no such model",
-                                                 "type": "invalid_request_error", "param": None,
-                                                 "code": "model_not_found"}}
+    assert json.loads(openai.body) == {
+        "error": {
+            "message": "no such model",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "model_not_found",
+        }
+    }
     assert openai_body(CudaError("cuMemAlloc failed"), 500)["error"]["type"] == "server_error"
     challenge = error_response(AdminAuthError("missing", 401), "/admin/ops")
     assert challenge.headers["WWW-Authenticate"] == "Bearer"

@@ -2,6 +2,7 @@
 activated (NaN where the current is finite is refused unless allowed), and after a swap the watch
 rolls back a version whose answers turn non-finite, through the real registry, with the reason in
 its log."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,9 @@ def test_a_version_that_is_nan_where_the_current_is_finite_is_refused() -> None:
         compare_with_current(GELU, new_version(GELU, "sqrt(A) * 0 + A"), seed=1)
     assert refused.value.cases and all(c["nonfinite"] > 0 for c in refused.value.cases)
     assert {c["dtype"] for c in refused.value.cases} == {"float32", "float16", "bfloat16"}
-    allowed = compare_with_current(GELU, new_version(GELU, "sqrt(A) * 0 + A"), seed=1,
-                                   allow_nonfinite=True)
+    allowed = compare_with_current(
+        GELU, new_version(GELU, "sqrt(A) * 0 + A"), seed=1, allow_nonfinite=True
+    )
     assert allowed.nonfinite > 0
 
 
@@ -54,8 +56,10 @@ def registry(tmp_path: Path) -> Iterator[ReplicaRegistry]:
 
 def change_here(registry: ReplicaRegistry) -> Callable:
     """The watch's change function on one replica: the registry's change, off the loop."""
+
     async def change(note: ChangeNote, apply: Callable[[Runtime], object]) -> object:
         return await asyncio.to_thread(registry.change, apply, note)
+
     return change
 
 
@@ -65,8 +69,9 @@ def test_the_watch_rolls_back_a_swap_whose_answers_turn_nan(registry: ReplicaReg
     nan_at_7 = "A * 2 + 0 * log(abs(A - 7.25))"  # NaN at 7.25 only: passes the comparison
     registry.change(lambda r: r.swap("wt", nan_at_7), ChangeNote(op="wt", action="swap"))
     rolled: list[str] = []
-    watch = SwapWatch(registry, window_s=60, change=change_here(registry),
-                      on_rollback=rolled.append)
+    watch = SwapWatch(
+        registry, window_s=60, change=change_here(registry), on_rollback=rolled.append
+    )
     assert watch.watched("wt", 2) and not watch.watched("wt", 1)
 
     async def requests() -> None:
@@ -92,8 +97,9 @@ def test_the_watch_rolls_back_a_swap_whose_answers_turn_nan(registry: ReplicaReg
 def test_the_watch_ends_with_its_window(registry: ReplicaRegistry) -> None:
     registry.change(lambda r: r.register("wt", "A"), ChangeNote(op="wt", action="register"))
     registry.change(lambda r: r.swap("wt", "A + 1"), ChangeNote(op="wt", action="swap"))
-    watch = SwapWatch(registry, window_s=0.05, change=change_here(registry),
-                      on_rollback=lambda op: None)
+    watch = SwapWatch(
+        registry, window_s=0.05, change=change_here(registry), on_rollback=lambda op: None
+    )
     assert watch.watched("wt", 2)
     time.sleep(0.1)
     assert not watch.watched("wt", 2) and not watch.failed("wt", 2, "too late")

@@ -1,6 +1,7 @@
 """Tensors in JSON: non-finite values travel as "NaN", "Infinity", "-Infinity" both ways, null and
 other non-numbers are refused, sizes are checked without overflow, and base64 tensors carry their
 exact bits."""
+
 from __future__ import annotations
 
 import base64
@@ -27,12 +28,14 @@ def tensor(data: list, **spec: object) -> torch.Tensor:
 
 def test_non_finite_values_are_strings_and_distinct_in_answers() -> None:
     x = torch.tensor([1.5, math.nan, math.inf, -math.inf], dtype=torch.float16)
-    assert dumps(from_tensor(x)) == (b'{"data":[1.5,"NaN","Infinity","-Infinity"],"shape":[4],'
-                                     b'"dtype":"float16"}')
+    assert dumps(from_tensor(x)) == (
+        b'{"data":[1.5,"NaN","Infinity","-Infinity"],"shape":[4],"dtype":"float16"}'
+    )
 
 
-@pytest.mark.parametrize("data", [[1.0, "NaN", "Infinity", "-Infinity"],
-                                  [1.0, math.nan, math.inf, -math.inf]])
+@pytest.mark.parametrize(
+    "data", [[1.0, "NaN", "Infinity", "-Infinity"], [1.0, math.nan, math.inf, -math.inf]]
+)
 def test_non_finite_values_are_read_from_strings_and_literals(data: list) -> None:
     x = tensor(data)
     assert x[0] == 1 and x[1].isnan() and x[2] == math.inf and x[3] == -math.inf
@@ -40,14 +43,17 @@ def test_non_finite_values_are_read_from_strings_and_literals(data: list) -> Non
     assert flat.shape == (2, 2) and flat[0, 0].isnan() and flat[1, 1] == -math.inf
 
 
-@pytest.mark.parametrize(("data", "words"), [
-    ([1.0, None], 'null is not a number; send NaN as "NaN"'),
-    ([[1.0, None], [2.0, 3.0]], "null is not a number"),
-    ([True, False], "got bool"),
-    ([1.0, "nan"], "got str 'nan'"),
-    ([[1.0], [2.0, 3.0]], "evenly nested"),
-    ([10 ** 400], "too large"),
-])
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        ([1.0, None], 'null is not a number; send NaN as "NaN"'),
+        ([[1.0, None], [2.0, 3.0]], "null is not a number"),
+        ([True, False], "got bool"),
+        ([1.0, "nan"], "got str 'nan'"),
+        ([[1.0], [2.0, 3.0]], "evenly nested"),
+        ([10**400], "too large"),
+    ],
+)
 def test_what_is_not_a_number_is_refused(data: list, words: str) -> None:
     with pytest.raises(TensorDataError, match=words):
         tensor(data)
@@ -55,9 +61,9 @@ def test_what_is_not_a_number_is_refused(data: list, words: str) -> None:
 
 def test_shapes_whose_element_count_overflows_int64_are_refused() -> None:
     with pytest.raises(pydantic.ValidationError, match="less than or equal"):
-        OpRequest.model_validate({"inputs": [{"data": [], "shape": [2 ** 62, 4]}]})
+        OpRequest.model_validate({"inputs": [{"data": [], "shape": [2**62, 4]}]})
     with pytest.raises(TensorDataError, match="does not fit shape"):  # 2^31-1 cubed: no overflow
-        tensor([], shape=[2 ** 31 - 1] * 3)
+        tensor([], shape=[2**31 - 1] * 3)
     with pytest.raises(pydantic.ValidationError, match="at most 8"):
         OpRequest.model_validate({"inputs": [{"data": [1], "shape": [1] * 9}]})
 
@@ -68,8 +74,9 @@ def test_a_result_larger_than_the_limit_is_refused_before_it_is_allocated() -> N
     with pytest.raises(RequestTooLargeError, match=r"shape \[512, 512\]"):
         check_output_size(CATALOGUE["add"], call, results)
     check_output_size(CATALOGUE["add"], OpCall("add", (torch.zeros(3),)), results)  # prepare's
-    check_output_size(CATALOGUE["add"], OpCall("add", (torch.zeros(64, 1), torch.zeros(1, 64))),
-                      results)
+    check_output_size(
+        CATALOGUE["add"], OpCall("add", (torch.zeros(64, 1), torch.zeros(1, 64))), results
+    )
     # The budget is shared by a batch's calls: the 4096 elements above are used up.
     with pytest.raises(RequestTooLargeError, match="results have more than 4099 elements"):
         check_output_size(CATALOGUE["neg"], OpCall("neg", (torch.zeros(1),)), results)
@@ -87,7 +94,8 @@ def test_b64_tensors_carry_every_bit_both_ways(dtype: torch.dtype) -> None:
 
 def test_b64_bytes_are_little_endian_row_major() -> None:
     raw = np.array([[1, 2], [3, 4]], dtype="<f2").tobytes()
-    x = to_tensor(TensorB64(b64=base64.b64encode(raw).decode(), shape=[2, 2], dtype="float16"),
-                  "input 0", CPU)
+    x = to_tensor(
+        TensorB64(b64=base64.b64encode(raw).decode(), shape=[2, 2], dtype="float16"), "input 0", CPU
+    )
     assert x.tolist() == [[1, 2], [3, 4]]
     assert to_tensor(TensorB64(b64="", shape=[0, 4]), "input 0", CPU).shape == (0, 4)

@@ -2,6 +2,7 @@
 Python per op, always eager's results. A call whose guards differ records again; a region that
 needs torch or the host in between runs the scheduler's path every time and says why. (Every
 scheduler snippet also runs traced: tests/unit/test_scheduler.py, `traced`.)"""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -86,11 +87,14 @@ def overlapping_views(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, t
     return both[1:], both[:-1]
 
 
-@pytest.mark.parametrize("change", [change_shape, change_dtype, change_strides, same_tensor_twice,
-                                    overlapping_views])
+@pytest.mark.parametrize(
+    "change", [change_shape, change_dtype, change_strides, same_tensor_twice, overlapping_views]
+)
 def test_guard_misses_record_a_new_trace_and_both_replay(
-        rt: Runtime, sched: Scheduler,
-        change: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    rt: Runtime,
+    sched: Scheduler,
+    change: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> None:
     def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(a) * b + a * 0.5
 
@@ -106,16 +110,24 @@ def test_guard_misses_record_a_new_trace_and_both_replay(
 def test_a_python_argument_is_guarded_by_value(rt: Runtime, sched: Scheduler) -> None:
     region = sched.trace(lambda x, scale, act: getattr(F, act)(x * scale))
     x = rand(rt, 100)
-    calls = [(2.0, "gelu"), (2.0, "gelu"), (3.0, "gelu"), (-0.0, "gelu"), (0.0, "gelu"),
-             (3.0, "silu"), (3.0, "gelu")]
+    calls = [
+        (2.0, "gelu"),
+        (2.0, "gelu"),
+        (3.0, "gelu"),
+        (-0.0, "gelu"),
+        (0.0, "gelu"),
+        (3.0, "silu"),
+        (3.0, "gelu"),
+    ]
     for scale, act in calls:
         torch.testing.assert_close(region(x, scale, act), getattr(F, act)(x * scale))
     assert (region.stats.misses, region.stats.replayed) == (5, 2)
 
 
 def test_keyword_and_nested_arguments_replay(rt: Runtime, sched: Scheduler) -> None:
-    def fn(pair: tuple[torch.Tensor, torch.Tensor], *, extra: dict[str, torch.Tensor]
-           ) -> dict[str, Any]:
+    def fn(
+        pair: tuple[torch.Tensor, torch.Tensor], *, extra: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
         a, b = pair
         return {"sum": a + b, "scaled": [extra["w"] * a, None, 3]}
 
@@ -128,8 +140,9 @@ def test_keyword_and_nested_arguments_replay(rt: Runtime, sched: Scheduler) -> N
     assert region.stats.replayed == 2
 
 
-def test_views_of_arguments_and_constants_made_in_the_region_replay(rt: Runtime,
-                                                                    sched: Scheduler) -> None:
+def test_views_of_arguments_and_constants_made_in_the_region_replay(
+    rt: Runtime, sched: Scheduler
+) -> None:
     def fn(x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         half = torch.tensor(0.5, device=x.device)  # a constant: the same value every call
         return torch.relu(x.t()[1:3]) + x[:, :2].t().sigmoid(), h * half + x[0, 0]
@@ -141,39 +154,44 @@ def test_views_of_arguments_and_constants_made_in_the_region_replay(rt: Runtime,
     assert region.stats.replayed == 2
 
 
-def test_nested_traced_functions_of_one_scheduler_replay_as_one(rt: Runtime,
-                                                               sched: Scheduler) -> None:
+def test_nested_traced_functions_of_one_scheduler_replay_as_one(
+    rt: Runtime, sched: Scheduler
+) -> None:
     inner = sched.trace(lambda x: torch.tanh(x) + 1)
     outer = sched.trace(lambda x: inner(x) * inner(x * 2))
     for _ in range(3):
         x = rand(rt, 33)
         torch.testing.assert_close(outer(x), (torch.tanh(x) + 1) * (torch.tanh(x * 2) + 1))
     assert outer.stats.replayed == 2
-    assert inner.stats.not_replayable == {"called while a region records (its ops run in that "
-                                          "region)": 2}
+    assert inner.stats.not_replayable == {
+        "called while a region records (its ops run in that region)": 2
+    }
 
 
 def test_a_function_traced_by_another_scheduler_sees_written_arguments(
-        rt: Runtime, sched: Scheduler) -> None:
+    rt: Runtime, sched: Scheduler
+) -> None:
     inner = trace(lambda x: torch.tanh(x) * 2, rt)
     outer = sched.trace(lambda x: inner(torch.sigmoid(x)) + 1)  # inner reads a pending result
     for _ in range(3):
         x = rand(rt, 40)
         torch.testing.assert_close(outer(x), torch.tanh(torch.sigmoid(x)) * 2 + 1)
     assert outer.stats.replayed == 0 and inner.stats.replayed == 1  # inner, outside recordings
-    assert outer.stats.not_replayable == {"a flush inside the region: it calls a function traced "
-                                          "by another scheduler": 3}
+    assert outer.stats.not_replayable == {
+        "a flush inside the region: it calls a function traced by another scheduler": 3
+    }
 
 
-def test_a_traced_call_inside_its_scheduler_sees_pending_arguments(rt: Runtime,
-                                                                  sched: Scheduler) -> None:
+def test_a_traced_call_inside_its_scheduler_sees_pending_arguments(
+    rt: Runtime, sched: Scheduler
+) -> None:
     region = sched.trace(lambda x: F.softplus(x) - x)
     x = rand(rt, 6, 20)
     with sched:
         for _ in range(3):
             y = torch.sigmoid(x) * 3  # pending: written before the region reads it
             z = region(y)
-            w = z + 1                 # queued again, on a result the region wrote
+            w = z + 1  # queued again, on a result the region wrote
     y = torch.sigmoid(x) * 3
     torch.testing.assert_close(w, F.softplus(y) - y + 1)
     assert region.stats.replayed == 2
@@ -188,38 +206,45 @@ def keeps_a_result(x: torch.Tensor) -> torch.Tensor:
     return KEPT[-1] * 2
 
 
-@pytest.mark.parametrize(("fn", "why"), [
-    (lambda x: torch.sigmoid(x) * torch.sigmoid(x).sum().item(), "aten._local_scalar_dense"),
-    (lambda x: torch.relu(x) if (x * 2).sum() > 0 else -x, "aten.gt.Scalar"),
-    (lambda x: torch.tensor(torch.exp(x).tolist(), device=x.device) + 1, "tolist"),
-    (lambda x: torch.relu(x @ x.t()), "aten.mm.default runs in torch"),
-    (lambda x: torch.erf(x) + 1, "aten.erf.default runs in torch"),
-    (lambda x: (x * 2)[1:3], "views a result inside the region"),
-    (lambda x: torch.relu(x).add_(1), "aten.add_.Tensor"),
-    (keeps_a_result, "a result escapes other than through the return value"),
-], ids=["item", "bool", "tolist", "matmul", "unlowered", "view_of_result", "in_place", "escape"])
+@pytest.mark.parametrize(
+    ("fn", "why"),
+    [
+        (lambda x: torch.sigmoid(x) * torch.sigmoid(x).sum().item(), "aten._local_scalar_dense"),
+        (lambda x: torch.relu(x) if (x * 2).sum() > 0 else -x, "aten.gt.Scalar"),
+        (lambda x: torch.tensor(torch.exp(x).tolist(), device=x.device) + 1, "tolist"),
+        (lambda x: torch.relu(x @ x.t()), "aten.mm.default runs in torch"),
+        (lambda x: torch.erf(x) + 1, "aten.erf.default runs in torch"),
+        (lambda x: (x * 2)[1:3], "views a result inside the region"),
+        (lambda x: torch.relu(x).add_(1), "aten.add_.Tensor"),
+        (keeps_a_result, "a result escapes other than through the return value"),
+    ],
+    ids=["item", "bool", "tolist", "matmul", "unlowered", "view_of_result", "in_place", "escape"],
+)
 def test_a_region_that_cannot_replay_runs_the_scheduler_path_and_says_why(
-        rt: Runtime, sched: Scheduler, fn: Callable[[torch.Tensor], torch.Tensor],
-        why: str) -> None:
+    rt: Runtime, sched: Scheduler, fn: Callable[[torch.Tensor], torch.Tensor], why: str
+) -> None:
     region = sched.trace(fn)
     for _ in range(3):
         x = rand(rt, 6, 6)
         check(fn, region(x), x)
     assert region.stats.replayed == 0 and region.stats.misses == 1
-    (reason, calls), = region.stats.not_replayable.items()
+    ((reason, calls),) = region.stats.not_replayable.items()
     assert why in reason and calls == 3
 
 
-def test_arguments_guards_cannot_compare_run_the_scheduler_path(rt: Runtime,
-                                                              sched: Scheduler) -> None:
+def test_arguments_guards_cannot_compare_run_the_scheduler_path(
+    rt: Runtime, sched: Scheduler
+) -> None:
     region = sched.trace(lambda x, names: torch.relu(x) * len(names))
     x = rand(rt, 10)
     for _ in range(2):
         torch.testing.assert_close(region(x, {"a", "b"}), torch.relu(x) * 2)
     assert region.stats.misses == 0
-    assert region.stats.not_replayable == {"an argument of type set cannot be guarded (tensors, "
-                                           "numbers, strings, None, dtypes and devices can, in "
-                                           "tuples, lists and dicts)": 2}
+    assert region.stats.not_replayable == {
+        "an argument of type set cannot be guarded (tensors, "
+        "numbers, strings, None, dtypes and devices can, in "
+        "tuples, lists and dicts)": 2
+    }
 
 
 def test_the_cache_keeps_the_latest_traces(rt: Runtime) -> None:
