@@ -2,7 +2,8 @@
  *
  * Loads and stores of any GPUOS dtype (computing in fp32), strided index arithmetic over a
  * GpuosTensorRef, rows, warp/block reductions and thread groups. NVRTC ships no cuda_fp16.h or
- * cuda_bf16.h, so the half conversions are inline PTX (bf16 stores need sm_80+, our oldest arch).
+ * cuda_bf16.h, so the half conversions are inline PTX (bf16 rounding in integer arithmetic before
+ * sm_80).
  *
  * Contract for every operator built on these: blockDim.x is a multiple of 32 and at most 1024;
  * every ref has fewer than 2^32 elements (index arithmetic divides in 32 bits, see
@@ -22,6 +23,15 @@
 #pragma once
 
 #include "gpuos_abi.h"
+
+/* Tensor cores by mma.sync m16n8k16 and cp.async need sm_80. On sm_75 (T4) the operators' fast
+ * paths are off (their `fast` checks include GPUOS_SM80), they take their CUDA-core paths, and
+ * the sm_80 instructions compile to a trap that is never reached. */
+#if __CUDA_ARCH__ >= 800
+#define GPUOS_SM80 1
+#else
+#define GPUOS_SM80 0
+#endif
 
 __device__ __forceinline__ unsigned long long gpuos_now_ns() {
   unsigned long long t;
@@ -103,10 +113,19 @@ __device__ __forceinline__ float gpuos_bf16_to_f32(unsigned short b) {
   return __uint_as_float(static_cast<unsigned int>(b) << 16);
 }
 
+/* Round to nearest even, as cvt.rn.bf16.f32 does (sm_80+); before sm_80 the same in integer
+ * arithmetic: add half an ulp of bf16 (less one when the kept bit is even), truncate; NaN stays a
+ * quiet NaN of the same sign. */
 __device__ __forceinline__ unsigned short gpuos_f32_to_bf16(float f) {
+#if __CUDA_ARCH__ >= 800
   unsigned short b;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
   return b;
+#else
+  const unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((u >> 16) | 0x40u);
+  return static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
 }
 
 /* `v` rounded to a float `dtype` and widened back: what storing it and loading it again reads. */

@@ -26,9 +26,10 @@ from cuda.bindings import nvjitlink, nvrtc
 from gpuos_core.errors import CompileError, LinkError
 from gpuos_core.paths import CUDA_DIR, cache_dir
 
-# The oldest compute capability the device code builds for: bf16 conversions (gpuos_device.cuh)
-# and the linear operator's mma.sync m16n8k16 need sm_80. NVRTC 13 itself goes down to sm_75.
-MIN_ARCH = 80
+# The oldest compute capability the device code builds for: NVRTC 13's oldest target. On sm_75
+# (T4) the operators take their CUDA-core paths: mma.sync m16n8k16, cp.async and bf16 conversion
+# instructions need sm_80 (GPUOS_SM80 in gpuos_device.cuh).
+MIN_ARCH = 75
 DEFAULT_ARCH = "sm_90"  # the target when there is no device to ask (CI, the CPU backend)
 # -rdc=true: objects must link into one image. -default-device: header helpers that carry no
 # execution-space annotation compile for the device (NVRTC has no host side to compile them for).

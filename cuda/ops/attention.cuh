@@ -141,7 +141,8 @@ __device__ __forceinline__ bool gpuos_attn_fast(const GpuosTask* t, int d) {
   const bool half = dt == GPUOS_DTYPE_F16 || dt == GPUOS_DTYPE_BF16;
   const bool same = t->in[1].dtype == dt && t->in[2].dtype == dt;
   const bool dims = d == 32 || d == 64 || d == 128 || d == 256;
-  return half && same && dims && gpuos_attn_rows16(t->in[1]) && gpuos_attn_rows16(t->in[2]);
+  return GPUOS_SM80 && half && same && dims && gpuos_attn_rows16(t->in[1]) &&
+         gpuos_attn_rows16(t->in[2]);
 }
 
 __device__ __forceinline__ GpuosAttnPlan gpuos_attn_plan(const GpuosTask* t) {

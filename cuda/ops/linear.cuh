@@ -102,7 +102,7 @@ __device__ __forceinline__ bool gpuos_linear_fast(const GpuosTask* t, const Gpuo
   const bool rows = p.xrs >= 0 && p.xrs % 8 == 0 && p.ors >= 0 && w.strides[0] % 8 == 0;
   const bool unit = x.strides[x.ndim - 1] == 1 && w.strides[1] == 1;
   const bool aligned = p.k % 8 == 0 && gpuos_aligned16(x.data) && gpuos_aligned16(w.data);
-  return half && x.dtype == w.dtype && rows && unit && aligned && p.k > 0 &&
+  return GPUOS_SM80 && half && x.dtype == w.dtype && rows && unit && aligned && p.k > 0 &&
          blockDim.x >= GPUOS_LINEAR_MMA_THREADS;
 }
 
@@ -263,17 +263,25 @@ __device__ __forceinline__ unsigned int gpuos_smem_address(const void* p) {
 
 /* 16 bytes into shared memory, from global memory through L2 only; `bytes` 0 writes zeros. */
 __device__ __forceinline__ void gpuos_cp_async16(unsigned int dst, const void* src, int bytes) {
+#if GPUOS_SM80
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
                : "memory");
+#else
+  __trap();
+#endif
 }
 
 __device__ __forceinline__ void gpuos_cp_async_commit() {
+#if GPUOS_SM80
   asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
 }
 
 template <int PENDING>
 __device__ __forceinline__ void gpuos_cp_async_wait() {
+#if GPUOS_SM80
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+#endif
 }
 
 /* 16 bytes of a weight, through the read-only path without keeping them in L1 (read once). */
@@ -302,6 +310,9 @@ template <bool BF16>
 __device__ __forceinline__ void gpuos_mma16816(float (&d)[4], unsigned int a0, unsigned int a1,
                                                unsigned int a2, unsigned int a3, unsigned int b0,
                                                unsigned int b1) {
+#if !GPUOS_SM80
+  __trap();
+#else
   if (BF16) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%0, %1, %2, %3};"
@@ -313,6 +324,7 @@ __device__ __forceinline__ void gpuos_mma16816(float (&d)[4], unsigned int a0, u
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
+#endif
 }
 
 /* One lane's walk along k of a row of W through the items of a record: the 16-bit element at p,

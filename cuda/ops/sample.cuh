@@ -67,16 +67,26 @@ __device__ __forceinline__ unsigned int gpuos_order_key(float v) {
   return b ^ ((b >> 31) ? 0xffffffffu : 0x80000000u);
 }
 
+/* Minimum over the 32 lanes of a warp: one instruction from sm_80, shuffles before. */
+__device__ __forceinline__ unsigned int gpuos_warp_min_u32(unsigned int v) {
+#if GPUOS_SM80
+  return __reduce_min_sync(GPUOS_ALL_LANES, v);
+#else
+#pragma unroll
+  for (int o = GPUOS_WARP / 2; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(GPUOS_ALL_LANES, v, o));
+  return v;
+#endif
+}
+
 /* Minimum over the block (same calling rules as gpuos_block_sum). */
 __device__ __forceinline__ unsigned int gpuos_block_min_u32(unsigned int v) {
   __shared__ unsigned int partial[GPUOS_WARP];
   const unsigned int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
-  v = __reduce_min_sync(GPUOS_ALL_LANES, v);
+  v = gpuos_warp_min_u32(v);
   __syncthreads();
   if (lane == 0) partial[warp] = v;
   __syncthreads();
-  return __reduce_min_sync(GPUOS_ALL_LANES,
-                           lane < blockDim.x / GPUOS_WARP ? partial[lane] : GPUOS_SAMPLE_NONE);
+  return gpuos_warp_min_u32(lane < blockDim.x / GPUOS_WARP ? partial[lane] : GPUOS_SAMPLE_NONE);
 }
 
 /* The lowest index j among the threads whose value v is the block's maximum m (set for every

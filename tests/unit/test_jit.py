@@ -34,8 +34,8 @@ KERNEL = CompileSpec(
     "}\n",
 )
 ET_REL, ET_EXEC = 1, 2  # ELF e_type of a relocatable object and of a linked executable
-# Targets the tests build for: A100, A10G/RTX 30, L4/RTX 40, H100/H200, B200, RTX 50.
-ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+# Targets the tests build for: T4, A100, A10G/RTX 30, L4/RTX 40, H100/H200, B200, RTX 50.
+ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 
 
 def elf_type_and_sm(blob: bytes) -> tuple[int, int]:
@@ -161,16 +161,17 @@ def test_unresolved_extern_raises_link_error_naming_the_symbol() -> None:
 
 
 def test_unsupported_arch_is_rejected() -> None:
-    with pytest.raises(ValueError, match="builds sm_80, sm_86"):
-        CompileSpec("gpuos_test_square", SQUARE.source, arch="sm_75")
-    with pytest.raises(ValueError, match="builds sm_80, sm_86"):
+    with pytest.raises(ValueError, match="builds sm_75, sm_80"):
+        CompileSpec("gpuos_test_square", SQUARE.source, arch="sm_70")
+    with pytest.raises(ValueError, match="builds sm_75, sm_80"):
         link_image([("square", b"\x7fELF")], arch="sm_990")
 
 
 def test_a_device_gets_its_own_arch_when_the_device_code_builds_for_it() -> None:
     assert set(ARCHS) <= set(supported_archs())
     assert device_arch(8, 6) == "sm_86" and device_arch(12, 0) == "sm_120"
-    assert device_arch(7, 5) is None, "T4: the device code needs sm_80 (bf16, mma m16n8k16)"
+    assert device_arch(7, 5) == "sm_75", "T4: CUDA-core paths (no mma m16n8k16, cp.async)"
+    assert device_arch(7, 0) is None, "V100: NVRTC 13 builds from sm_75"
     assert device_arch(99, 0) is None, "newer than this NVRTC knows"
 
 
