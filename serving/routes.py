@@ -45,7 +45,7 @@ from .errors import (
     error_response,
     status_of,
 )
-from .jsonfast import json_response
+from .jsonfast import json_answer
 from .metrics import CONTENT_TYPE, ReplicaMetrics, exposition
 from .registry import ChangeNote, ReplicaRegistry
 from .schemas import (
@@ -305,9 +305,10 @@ def _inference_routes(replica: Services) -> APIRouter:
         """Run `op` on the given tensors, coalesced with concurrent requests into one submission.
         404 unknown op, 413 too many elements (inputs or result), 422 inputs that do not fit,
         500 the task failed, 503 queue full (retry after Retry-After), 504 deadline passed."""
-        answer = await _run_call(replica, op, body, request_budgets(replica.args.max_elements))
+        budgets = request_budgets(replica.args.max_elements)
+        answer = await _run_call(replica, op, body, budgets)
         # Written once here: FastAPI would validate and convert the result twice more.
-        return json_response({**answer, "replica": replica.replica_id})
+        return await json_answer({**answer, "replica": replica.replica_id}, budgets.results.used)
 
     @router.post(
         "/batch",
@@ -327,7 +328,9 @@ def _inference_routes(replica: Services) -> APIRouter:
         results = await asyncio.gather(
             *(_batch_entry(replica, call, budgets) for call in body.calls)
         )
-        return json_response({"results": results, "replica": replica.replica_id})
+        return await json_answer(
+            {"results": results, "replica": replica.replica_id}, budgets.results.used
+        )
 
     @router.get("/stats")
     async def stats() -> StatsResponse:

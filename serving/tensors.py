@@ -33,6 +33,10 @@ class ElementBudget:
     def __init__(self, limit: int, what: str) -> None:
         self.limit, self.left, self.what = limit, limit, what
 
+    @property
+    def used(self) -> int:
+        return self.limit - self.left
+
     def take(self, count: int, detail: str = "") -> None:
         """Use `count` elements; RequestTooLargeError (nothing used) when fewer are left."""
         if count > self.left:

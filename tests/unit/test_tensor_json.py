@@ -4,7 +4,9 @@ exact bits."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 import math
 
 import numpy as np
@@ -15,7 +17,7 @@ import torch
 from gpuos_core import OpCall
 from gpuos_core.catalogue import CATALOGUE
 from serving.errors import RequestTooLargeError, TensorDataError
-from serving.jsonfast import dumps
+from serving.jsonfast import INLINE_ELEMENTS, dumps, json_answer
 from serving.schemas import OpRequest, TensorB64, TensorIn
 from serving.tensors import ElementBudget, check_output_size, from_tensor, to_tensor
 
@@ -99,3 +101,12 @@ def test_b64_bytes_are_little_endian_row_major() -> None:
     )
     assert x.tolist() == [[1, 2], [3, 4]]
     assert to_tensor(TensorB64(b64="", shape=[0, 4]), "input 0", CPU).shape == (0, 4)
+
+
+@pytest.mark.parametrize("elements", [10, INLINE_ELEMENTS + 1])
+def test_answers_are_written_whole_on_or_off_the_event_loop(elements: int) -> None:
+    """Small answers are written on the event loop, large ones in a worker thread: the same JSON."""
+    x = np.arange(elements, dtype=np.float32)
+    response = asyncio.run(json_answer({"output": x, "replica": "r"}, elements))
+    assert response.status_code == 200 and response.media_type == "application/json"
+    assert json.loads(response.body) == {"output": x.tolist(), "replica": "r"}
