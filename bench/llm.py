@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import gc
 import importlib.util
 import json
 import signal
@@ -277,7 +276,11 @@ class TorchLoop:
         self.replays: list[Callable[[], None] | None] = [None] * len(self.steps)
 
     def _step(self, model: Model, ops: LoopOps) -> Callable[[], object]:
-        return lambda: self.ids.copy_(forward(model, ops).argmax(-1))
+        # The step holds `ids`, not the loop: a loop that held itself through its steps was freed
+        # by the cyclic collector whenever it ran, once in the middle of the next R's capture,
+        # which freeing its graphs invalidated (cudaErrorStreamCaptureInvalidated on the H200).
+        ids = self.ids
+        return lambda: ids.copy_(forward(model, ops).argmax(-1))
 
     def run(self, batch: list[list[int]]) -> LoopRun:
         started = time.perf_counter()
@@ -381,11 +384,7 @@ def loop_rows(
             )
         )
         rows[-1]["graphs"] = graphs
-        # Its graphs' memory, now: a TorchLoop is a reference cycle (its steps' lambdas hold it),
-        # and freed by the cyclic collector during the next R's capture, its graphs invalidate
-        # that capture (cudaErrorStreamCaptureInvalidated at R=32 on the H200).
-        del loop
-        gc.collect()
+        del loop  # its graphs' memory, now (TorchLoop._step: no reference cycle)
         print(rows[-1], flush=True)
 
 

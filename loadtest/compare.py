@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from loadtest.baselines import DEPLOYMENT, KINDS
-from loadtest.launch import INGRESSES, REPO, ingress_env, served
+from loadtest.launch import ENCODINGS, INGRESSES, REPO, ingress_env, served
 from loadtest.run import (
     Target,
     describe,
@@ -73,7 +73,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=3.0, help="unrecorded seconds before each")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--ingress", choices=INGRESSES, default="haproxy")
-    parser.add_argument("--encoding", choices=("list", "b64"), default="b64")
+    parser.add_argument("--encoding", choices=ENCODINGS, default="b64")
     parser.add_argument(
         "--backend",
         choices=("auto", "cuda", "cpu"),

@@ -31,6 +31,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 INGRESSES = ("proxy", "haproxy")
+ENCODINGS = ("list", "b64")  # how load users send tensors (serving.schemas.Encoding)
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 log = logging.getLogger("gpuos.loadtest")
 

@@ -52,6 +52,7 @@ from loadtest.completions import (
     completion_request,
     model_id,
 )
+from loadtest.launch import ENCODINGS
 from loadtest.storm import EXPRESSIONS, STORM_OP, admin_headers, affine_versions, ensure_registered
 
 ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
@@ -68,7 +69,6 @@ GENERATED = Generated()  # CompletionUser's tokens in checked answers, this proc
 rng = np.random.default_rng()
 
 
-ENCODINGS = ("list", "b64")
 CHECKS = ("values", "shape")
 WIRE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}  # answers' b64 dtypes read here
 

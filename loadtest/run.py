@@ -48,7 +48,7 @@ from loadtest.completions import (
     TTFT,
     Generated,
 )
-from loadtest.launch import INGRESSES, REPO, ingress_env, served
+from loadtest.launch import ENCODINGS, INGRESSES, REPO, ingress_env, served
 from loadtest.storm import admin_headers, ensure_registered
 
 SCENARIOS = {  # scenario → Locust user classes
@@ -150,7 +150,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--encoding",
-        choices=("list", "b64"),
+        choices=ENCODINGS,
         default="list",
         help="micro, swap-storm: how calls send tensors (JSON lists, base64)",
     )

@@ -251,17 +251,16 @@ class CudaBackend(Backend):
         self._use_context()
         with self._lock:
             module = self._modules[-1]
-        return np.concatenate(
-            [self._read_global(module, name) for name in (b"gpuos_trace", b"gpuos_trace_marks")],
-            axis=1,
-        )
+        times = self._read_global(module, b"gpuos_trace").reshape(-1, 4)
+        marks = self._read_global(module, b"gpuos_trace_marks").reshape(len(times), -1)
+        return np.concatenate([times, marks], axis=1)
 
     def _read_global(self, module: object, name: bytes) -> np.ndarray:
-        """A uint64 [GPUOS_TRACE_SLOTS, k] table of the image, copied to the host."""
+        """A uint64 table of the image, copied to the host (flat)."""
         address, size = check(cu.cuModuleGetGlobal(module, name), name.decode())
-        rows = np.empty(size // 8, dtype=np.uint64)
-        check(cu.cuMemcpyDtoH(rows.ctypes.data, int(address), size), f"read {name.decode()}")
-        return rows.reshape(1 << 16, -1)
+        words = np.empty(size // 8, dtype=np.uint64)
+        check(cu.cuMemcpyDtoH(words.ctypes.data, int(address), size), f"read {name.decode()}")
+        return words
 
     def close(self) -> None:
         with self._lock:
