@@ -8,6 +8,7 @@
 #if defined(__CUDACC_RTC__)
 /* NVRTC ships no libc headers. */
 typedef signed char int8_t;
+typedef short int16_t;
 typedef int int32_t;
 typedef unsigned int uint32_t;
 typedef long long int64_t;
@@ -16,7 +17,7 @@ typedef unsigned long long uint64_t;
 #include <stdint.h>
 #endif
 
-#define GPUOS_ABI_VERSION 2
+#define GPUOS_ABI_VERSION 3
 #define GPUOS_MAX_DIMS 6
 #define GPUOS_MAX_INPUTS 4
 #define GPUOS_MAX_SCALARS 4
@@ -35,6 +36,11 @@ typedef unsigned long long uint64_t;
 /* op_slot of a record that runs no operator: it only waits and signals (a join of more events
  * than one record can wait for). */
 #define GPUOS_OP_NOP (-2)
+
+/* flags of a record. EARLY: its operator waits for the record's events itself (gpuos_await in
+ * gpuos_device.cuh), after work that reads no input tensor (its plan, warming its weights into
+ * L2), so that this work overlaps the producers; the operator awaits on every path. */
+#define GPUOS_TASK_EARLY 1
 
 
 /* A strided view of one tensor. Element (i0, ..., i{ndim-1}) lives at
@@ -59,7 +65,8 @@ typedef struct GpuosTensorRef {
  * which is what makes waiting safe: see gpuos_worker.cu. */
 typedef struct GpuosTask {
   int32_t op_slot;                  /* index into the image's jump table, or GPUOS_OP_NOP */
-  int32_t num_inputs;               /* inputs used in in[] */
+  int16_t num_inputs;               /* inputs used in in[] */
+  int16_t flags;                    /* GPUOS_TASK_*: set by the operator's family */
   uint32_t reduce_mask;             /* reductions: bit d set = reduce over dim d of in[0] */
   int32_t signal;                   /* event counter to increment when done, or GPUOS_NO_EVENT */
   int64_t range_begin;              /* first work item (output element, or row) of this task */

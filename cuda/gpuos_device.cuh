@@ -94,6 +94,53 @@ __device__ __forceinline__ float gpuos_exp_diff(float a, float b) {
  * operator parks its live values in high registers, which raises the whole worker's count. */
 __device__ __forceinline__ float gpuos_div(float a, float b) { return __fdividef(a, b); }
 
+/* ---- events of device programs (gpuos_abi.h, gpuos_worker.cu) ------------------------------- */
+
+__device__ __forceinline__ unsigned int gpuos_acquire_u32(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+/* Thread 0 polls until every event `need` names has reached the task's count for it, all of
+ * them in flight together, with acquire loads (the producers' writes they released are then
+ * visible to thread 0; the caller's barrier orders every other thread after it). Returns what it
+ * saw of wait[0]. */
+__device__ __forceinline__ unsigned int gpuos_poll_events(const GpuosTask* task,
+                                                          const bool (&need)[GPUOS_MAX_WAITS]) {
+  const unsigned int* events = reinterpret_cast<const unsigned int*>(task->events);
+  for (;;) {
+    unsigned int seen[GPUOS_MAX_WAITS];
+    bool ready = true;
+#pragma unroll
+    for (int k = 0; k < GPUOS_MAX_WAITS; ++k)
+      seen[k] = need[k] ? gpuos_acquire_u32(events + task->wait[k]) : 0u;
+#pragma unroll
+    for (int k = 0; k < GPUOS_MAX_WAITS; ++k)
+      ready = ready && (!need[k] || seen[k] >= task->wait_count[k]);
+    if (ready) return seen[0];
+    __nanosleep(32);
+  }
+}
+
+/* The wait of a GPUOS_TASK_EARLY record, by all threads of the block, once its operator's
+ * input-free work is under way: returns when the record's inputs are ready to read. */
+__device__ __forceinline__ void gpuos_await(const GpuosTask* task) {
+  if (task->events != 0) { /* uniform over the block: the task is in shared memory */
+    if (threadIdx.x == 0) {
+      bool need[GPUOS_MAX_WAITS];
+#pragma unroll
+      for (int k = 0; k < GPUOS_MAX_WAITS; ++k) need[k] = task->wait[k] != GPUOS_NO_EVENT;
+      gpuos_poll_events(task, need);
+    }
+    __syncthreads();
+  }
+#ifdef GPUOS_TRACE
+  if (threadIdx.x == 0)
+    gpuos_trace[gpuos_trace_ticket[gpuos_smid()] & (GPUOS_TRACE_SLOTS - 1)][2] = gpuos_now_ns();
+#endif
+}
+
 /* ---- dtype conversions ---------------------------------------------------------------------- */
 
 __device__ __forceinline__ float gpuos_f16_to_f32(unsigned short h) {

@@ -114,12 +114,6 @@ __device__ void gpuos_fetch(const GpuosTask* ring, unsigned long long mask, long
   __syncthreads();
 }
 
-__device__ __forceinline__ unsigned int gpuos_acquire_u32(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 /* What thread 0 of a block knows of one event without asking memory: its counter has reached at
  * least `count`. Learnt from its own signals and from what its waits observed; reset at each
  * claim, because a program's counters are zeroed between runs and a claim never holds records of
@@ -134,34 +128,20 @@ struct GpuosKnown {
   }
 };
 
-/* Blocks until every event `task` waits for has reached its count. Thread 0 polls with acquire
- * loads, all of a record's waits in flight together, so the writes the producers released are
- * visible to it; the barrier then orders every other thread's loads after its observation (as a
- * grid barrier does). Tasks read their inputs with L1-bypassing loads, so no stale line can be
- * served. A wait `known` already covers (a producer earlier in this block's claim) costs no load. */
+/* Blocks until every event `task` waits for has reached its count (gpuos_poll_events; the
+ * barrier then orders every other thread's loads after thread 0's observation, as a grid barrier
+ * does). Tasks read their inputs with L1-bypassing loads, so no stale line can be served. A wait
+ * `known` already covers (a producer earlier in this block's claim) costs no load. */
 __device__ __forceinline__ void gpuos_wait_events(const GpuosTask* task, GpuosKnown& known) {
   if (task->events == 0) return; /* uniform over the block: the task is in shared memory */
   if (threadIdx.x == 0) {
-    const unsigned int* events = reinterpret_cast<const unsigned int*>(task->events);
     bool need[GPUOS_MAX_WAITS];
 #pragma unroll
     for (int k = 0; k < GPUOS_MAX_WAITS; ++k)
       need[k] = task->wait[k] != GPUOS_NO_EVENT &&
                 !known.covers(task->events, task->wait[k], task->wait_count[k]);
-    for (;;) {
-      unsigned int seen[GPUOS_MAX_WAITS];
-      bool ready = true;
-#pragma unroll
-      for (int k = 0; k < GPUOS_MAX_WAITS; ++k)
-        seen[k] = need[k] ? gpuos_acquire_u32(events + task->wait[k]) : 0u;
-#pragma unroll
-      for (int k = 0; k < GPUOS_MAX_WAITS; ++k) ready = ready && (!need[k] || seen[k] >= task->wait_count[k]);
-      if (ready) {
-        if (need[0]) known = GpuosKnown{task->events, task->wait[0], seen[0]};
-        break;
-      }
-      __nanosleep(32);
-    }
+    const unsigned int seen = gpuos_poll_events(task, need);
+    if (need[0]) known = GpuosKnown{task->events, task->wait[0], seen};
   }
   __syncthreads();
 }
@@ -177,19 +157,22 @@ __device__ __forceinline__ void gpuos_signal(const GpuosTask* task, GpuosKnown& 
   known = GpuosKnown{task->events, task->signal, same ? known.count + 1 : 1u};
 }
 
-/* Runs one fetched record with all threads of the block: waits for its events, runs its operator
- * (none for GPUOS_OP_NOP), signals. Returns whether its op_slot was valid. A record with a bad
- * slot still signals, so records that wait for it fail with it instead of hanging. `known` is
- * thread 0's. */
+/* Runs one fetched record with all threads of the block: waits for its events (or lets its
+ * operator wait: GPUOS_TASK_EARLY), runs its operator (none for GPUOS_OP_NOP), signals. Returns
+ * whether its op_slot was valid. A record with a bad slot still waits and signals, so records that
+ * wait for it fail with it instead of hanging. `known` is thread 0's. */
 __device__ bool gpuos_run(const GpuosTask* task, long long ticket, GpuosKnown& known) {
-  gpuos_wait_events(task, known);
-  GPUOS_TRACE_AT(ticket, 2, gpuos_now_ns());
 #ifdef GPUOS_TRACE
-  if (threadIdx.x == 0) gpuos_trace_ticket[gpuos_smid()] = ticket; /* for GPUOS_MARK */
+  if (threadIdx.x == 0) gpuos_trace_ticket[gpuos_smid()] = ticket; /* GPUOS_MARK, gpuos_await */
 #endif
   const int slot = task->op_slot;
   const bool valid = slot == GPUOS_OP_NOP || (slot >= 0 && slot < gpuos_jump_table_size);
-  if (valid && slot != GPUOS_OP_NOP) gpuos_jump_table[slot](task);
+  const bool runs = valid && slot != GPUOS_OP_NOP;
+  if (!runs || !(task->flags & GPUOS_TASK_EARLY)) {
+    gpuos_wait_events(task, known);
+    GPUOS_TRACE_AT(ticket, 2, gpuos_now_ns());
+  }
+  if (runs) gpuos_jump_table[slot](task);
   __syncthreads(); /* operators reuse static shared memory: the next one starts after this one */
   GPUOS_TRACE_AT(ticket, 3, gpuos_now_ns());
   if (threadIdx.x == 0) gpuos_signal(task, known);

@@ -14,13 +14,14 @@ import torch
 
 from .errors import TensorSpecError
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_DIMS = 6
 MAX_INPUTS = 4
 MAX_SCALARS = 4
 MAX_WAITS = 2
 NO_EVENT = -1
 OP_NOP = -2
+TASK_EARLY = 1  # flags: the operator awaits the record's events itself (gpuos_abi.h)
 
 # GPUOS_DTYPE_* codes, and the torch dtypes the runtime accepts (int32 only as an operator's index
 # input: the catalogue checks which inputs may be indices).
@@ -47,7 +48,8 @@ TENSOR_REF = np.dtype(
 TASK = np.dtype(
     [
         ("op_slot", "<i4"),
-        ("num_inputs", "<i4"),
+        ("num_inputs", "<i2"),
+        ("flags", "<i2"),
         ("reduce_mask", "<u4"),
         ("signal", "<i4"),
         ("range_begin", "<i8"),
@@ -86,7 +88,7 @@ def dtype_code(dtype: torch.dtype) -> int:
 # TASK packed field by field in one call: numpy's structured-field writes cost ~40 us a record.
 _REF_FORMAT = f"Qq{MAX_DIMS}q{MAX_DIMS}qii"
 TASK_STRUCT = struct.Struct(
-    f"<iiIiqq{MAX_SCALARS}fQ{MAX_WAITS}i{MAX_WAITS}I" + _REF_FORMAT * (1 + MAX_INPUTS)
+    f"<ihhIiqq{MAX_SCALARS}fQ{MAX_WAITS}i{MAX_WAITS}I" + _REF_FORMAT * (1 + MAX_INPUTS)
 )
 assert TASK_STRUCT.size == TASK.itemsize, "TASK_STRUCT must mirror TASK"
 _NO_TENSOR = (0, 0) + (0,) * (2 * MAX_DIMS) + (0, 0)
@@ -118,9 +120,11 @@ def encode_task(
     inputs: tuple[torch.Tensor, ...],
     scalars: tuple[float, ...] = (),
     reduce_mask: int = 0,
+    flags: int = 0,
 ) -> None:
     """Fill TASK records[i] for each work-item range [begin, end) of one task, with no event to
-    wait for or signal (a Program adds those); op_slot is left 0 for submit to resolve."""
+    wait for or signal (a Program adds those); op_slot is left 0 for submit to resolve; `flags`
+    are the family's TASK_* bits."""
     if len(inputs) > MAX_INPUTS or len(scalars) > MAX_SCALARS:
         raise TensorSpecError(
             f"a task takes at most {MAX_INPUTS} inputs and {MAX_SCALARS} "
@@ -132,7 +136,18 @@ def encode_task(
     raw = records[: len(ranges)].view(np.uint8).reshape(len(ranges), TASK.itemsize)
     begin, end = ranges[0]
     TASK_STRUCT.pack_into(
-        raw[0], 0, 0, len(inputs), reduce_mask, NO_EVENT, begin, end, *scalars, *_NO_DEPS, *refs
+        raw[0],
+        0,
+        0,
+        len(inputs),
+        flags,
+        reduce_mask,
+        NO_EVENT,
+        begin,
+        end,
+        *scalars,
+        *_NO_DEPS,
+        *refs,
     )
     if len(ranges) > 1:  # the records differ only in their ranges: copy bytes, set two columns
         raw[1:] = raw[0]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .abi import MAX_DIMS
+from .abi import MAX_DIMS, TASK_EARLY
 from .calls import LaidOut, Params
 from .errors import TensorSpecError
 from .expr import Expr, evaluate
@@ -56,6 +56,8 @@ class Family:
     # reference then takes that `out` as a last input and returns its new contents.
     updates_out = False
     out_dtype: torch.dtype | None = None  # the output's fixed dtype; None: a float the caller picks
+    flags = 0  # TASK_* bits of its records (TASK_EARLY: its operators await their events)
+    internal = False  # the runtime's own machinery (the LLM engine's): not served over HTTP
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
         """Validate input shapes and decide the encoded layout; TensorSpecError says what to fix."""
@@ -537,6 +539,79 @@ class SampleFamily(Family):
         write_items(out, value.reshape(out.shape), begin, end, False)
 
 
+class FeedTokensFamily(Family):
+    """The tokens a decode step embeds (cuda/ops/steps.cuh): tokens [N] int32, each a token id,
+    -1 (idle row) or -(2 + p), the token the previous step sampled for its logits row p, which
+    `sampled` [P] holds; taken once `clock` [1] has reached `expect` [1] (the previous step's
+    tick). One record; items are rows."""
+
+    name, header, macro = "feed_tokens", "ops/steps.cuh", "GPUOS_DEFINE_FEED_TOKENS"
+    index_inputs = {0: "tokens", 1: "sampled", 2: "clock", 3: "expect"}
+    out_dtype = torch.int32
+    internal = True
+
+    def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
+        tokens, sampled, clock, expect = inputs
+        for what, t, n in (("clock", clock, 1), ("expect", expect, 1)):
+            if tuple(t.shape) != (n,):
+                raise TensorSpecError(f"feed_tokens: {what} must have shape (1,), got {t.shape}")
+        for what, t in (("tokens", tokens), ("sampled", sampled)):
+            if t.dim() != 1 or not t.is_contiguous():
+                raise TensorSpecError(
+                    f"feed_tokens: {what} must be a contiguous 1-D tensor, got {tuple(t.shape)}"
+                )
+        return Layout(tuple(inputs), tuple(tokens.shape), tuple(tokens.shape), tokens.numel())
+
+    def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
+        tokens, sampled = xs[0].long(), xs[1].long()
+        pick = -2 - tokens
+        fed = (tokens <= -2) & (pick < sampled.numel())
+        taken = sampled[pick.clamp(0, max(sampled.numel() - 1, 0))] if sampled.numel() else pick
+        return torch.where(tokens >= -1, tokens, torch.where(fed, taken, -1)).int()
+
+    def execute(
+        self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
+    ) -> None:
+        clock, expect = int(xs[2][0]), int(xs[3][0])
+        if (clock - expect + 2**31) % 2**32 - 2**31 < 0:  # int32 serial arithmetic
+            # batches run in order here: a step that has not ticked never will
+            raise RuntimeError(
+                f"feed_tokens: the clock is at {clock}, the previous step should have taken it "
+                f"to {expect}: it failed"
+            )
+        write_items(out, self.compute(xs, p, expr), begin, end, False)
+
+    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
+        return [(0, task.items)]  # one wait for the clock
+
+
+class TickFamily(Family):
+    """clock [1] int32 += 1 in place, after the task that writes its input (cuda/ops/steps.cuh):
+    the end of a decode step, which the next step's feed_tokens waits for. One record."""
+
+    name, header, macro = "tick", "ops/steps.cuh", "GPUOS_DEFINE_TICK"
+    index_inputs = {0: "after"}
+    updates_out = True
+    out_dtype = torch.int32
+    internal = True
+
+    def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
+        return Layout(tuple(inputs), (1,), (1,), 1)
+
+    def fit_out(self, lay: Layout, out: torch.Tensor | None) -> Layout:
+        if out is None:
+            raise TensorSpecError("tick advances the clock given as out= (int32, shape (1,))")
+        return lay
+
+    def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
+        return xs[-1] + 1
+
+    def execute(
+        self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
+    ) -> None:
+        out += 1
+
+
 # The tiling of cuda/ops/linear.cuh (its GPUOS_LINEAR_* constants; tests/unit/test_linear.py
 # checks that they agree).
 LINEAR_ROWS = 64  # rows of x per m-block (BM)
@@ -654,6 +729,7 @@ class LinearFamily(Family):
     empty when there is none) and 3 (the split-K workspace); items are the plan's tiles."""
 
     name, header, macro = "linear", "ops/linear.cuh", "GPUOS_DEFINE_LINEAR"
+    flags = TASK_EARLY  # its records warm their weights into L2 while their x is produced
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
         x, w, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
@@ -834,4 +910,6 @@ _FAMILIES: tuple[Family, ...] = (
     GatherRowsFamily(),
     SampleFamily(),
     LinearFamily(),
+    FeedTokensFamily(),
+    TickFamily(),
 )

@@ -385,5 +385,6 @@ def encode_records(task: LaidOut, tile_elements: int | None) -> np.ndarray:
     ranges = task.kind.ranges(task, tile_elements)
     records = np.empty(len(ranges), dtype=TASK)
     mask = sum(1 << d for d in task.params.reduce_dims)
-    encode_task(records, ranges, task.out_ref, task.inputs, task.params.scalars, mask)
+    scalars = task.params.scalars
+    encode_task(records, ranges, task.out_ref, task.inputs, scalars, mask, task.kind.flags)
     return records

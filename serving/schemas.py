@@ -171,6 +171,8 @@ def op_infos(table: OpTable) -> list[OpInfo]:
     for name in sorted(table.names()):
         current = table.current(name)
         spec = current.spec
+        if spec.kind.internal:
+            continue
         scalars = [ScalarInfo(name=p.name, default=p.default) for p in spec.scalars]
         infos.append(
             OpInfo(

@@ -49,6 +49,8 @@
 #define GPUOS_LINEAR_MMA_THREADS (GPUOS_LINEAR_WARPS * GPUOS_WARP)
 /* W is prefetched into L2 this many steps at a time, twice that ahead of its loads. */
 #define GPUOS_LINEAR_PREFETCH GPUOS_LINEAR_STEP_ALIGN
+/* Bytes of W a record asks L2 for before its x is ready (gpuos_linear_warm). */
+#define GPUOS_LINEAR_WARM_BYTES 65536
 /* Steps of W each lane keeps in flight in registers (16 bytes each). 8 would double the bytes in
  * flight, but spills ring slots right after their loads in the operator as the worker calls it
  * (an ABI function, 64 registers when this was measured): a spill store waits for its load and stalls the warp. */
@@ -293,13 +295,24 @@ __device__ __forceinline__ uint4 gpuos_ld_weight16(const char* p) {
   return v;
 }
 
+/* Ask L2 for `bytes` (a multiple of 16) from p (16-byte aligned), by one thread: one bulk
+ * prefetch on sm_90 (the copy engine keeps it in flight, no register or load slot), else one
+ * prefetch per 128-byte line. */
+__device__ __forceinline__ void gpuos_prefetch_l2(const char* p, int bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+  GPUOS_ROLLED
+  for (int at = 0; at < bytes; at += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + at));
+#endif
+}
+
 /* Ask L2 for `bytes` (a multiple of 16, at most 512) of a weight row from p (16-byte aligned):
- * one bulk prefetch by lane q == 0 on sm_90 (the copy engine keeps it in flight, no register or
- * load slot), else one 128-byte line from each of the 4 lanes q of the row. */
+ * one bulk prefetch by lane q == 0 on sm_90, else one 128-byte line from each of the 4 lanes q
+ * of the row. */
 __device__ __forceinline__ void gpuos_prefetch_row(const char* p, int bytes, int q) {
 #if __CUDA_ARCH__ >= 900
-  if (q == 0 && bytes > 0)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+  if (q == 0 && bytes > 0) gpuos_prefetch_l2(p, bytes);
 #else
   if (128 * q < bytes) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + 128 * q));
 #endif
@@ -547,15 +560,44 @@ __device__ __forceinline__ void gpuos_linear_mma_dtype(const GpuosTask* t, const
   }
 }
 
+/* Ask L2 for the weights of the record's first items, about GPUOS_LINEAR_WARM_BYTES (at least
+ * one item), each W row's k range once (items of other m-blocks share it), a row per thread at a
+ * time: issued before the record's x is ready (GPUOS_TASK_EARLY), they stream in while the
+ * producers still run. Capped so that the records of a matrix larger than L2 (an LM head) do
+ * not evict each other's; the main loop's own prefetch takes over from there. Tensor-core path
+ * only (its rows are 16-byte aligned and whole multiples of 16 bytes). */
+__device__ __forceinline__ void gpuos_linear_warm(const GpuosTask* t, const GpuosLinearPlan& p) {
+  const int begin = static_cast<int>(t->range_begin);
+  const int item_bytes = GPUOS_LINEAR_BN * 2 * GPUOS_LINEAR_KSTEP * p.kch;
+  const int items = max(1, GPUOS_LINEAR_WARM_BYTES / item_bytes);
+  const int end = min(static_cast<int>(t->range_end), begin + items);
+  GPUOS_ROLLED
+  for (int r = threadIdx.x; r < (end - begin) * GPUOS_LINEAR_BN; r += blockDim.x) {
+    const int i = begin + r / GPUOS_LINEAR_BN, row = r % GPUOS_LINEAR_BN;
+    const GpuosLinearItem it = gpuos_linear_item(p, i);
+    const int n = GPUOS_LINEAR_BN * it.nt + row;
+    if ((it.mb != 0 && i != begin) || n >= p.n || it.k1 <= it.k0) continue;
+    const char* w = reinterpret_cast<const char*>(t->in[1].data) + 2 * (n * t->in[1].strides[0] + it.k0);
+    gpuos_prefetch_l2(w, 2 * (it.k1 - it.k0));
+  }
+}
+
 __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
   __shared__ GpuosLinearPlan plan;
   __shared__ GpuosLinearXStage xstage[2];
   __shared__ int last;
   __shared__ __align__(128) char stages[GPUOS_LINEAR_STAGES * GPUOS_LINEAR_STAGE_BYTES];
-  if (t->range_begin >= t->range_end) return; /* no items (an empty x or W): uniform */
+  if (t->range_begin >= t->range_end) { /* no items (an empty x or W): uniform */
+    gpuos_await(t);
+    return;
+  }
+  /* GPUOS_TASK_EARLY: the plan (from the descriptor alone) and the weights (no producer writes
+   * them) come before the wait for x */
   if (threadIdx.x == 0) plan = gpuos_linear_plan(t);
   __syncthreads();
   GPUOS_MARK(0);
+  if (plan.fast) gpuos_linear_warm(t, plan);
+  gpuos_await(t);
   const int rows = min(plan.m, GPUOS_LINEAR_BM);
   if (!plan.fast) {
     gpuos_linear_generic(t, plan, &last);

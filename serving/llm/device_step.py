@@ -11,6 +11,13 @@ count of decode rows, and a prefill chunk builds one for its shape.
 What changes per step (token ids, positions, KV rows and lengths, sampling parameters and
 Philox counters) lives in `StepInputs`; operator versions resolve at each submit, so a hot swap
 reaches the next step.
+
+Steps chain on the device (`StepChain`), so the host queues step k + 1 while step k runs: every
+program begins with `feed_tokens`, which waits for the previous step's `tick` (its last task) and
+takes the tokens that step sampled for the rows the host marks `fed(p)` (the token of logits row
+p, which the host has not seen yet); it samples into the chain's buffer of its parity and reads
+the other's. A layout has a program per parity, so the program of step k + 1 never waits for the
+one running step k.
 """
 
 from __future__ import annotations
@@ -28,6 +35,12 @@ from serving.llm.forward import Span, forward
 from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
 
 IDLE = -1  # token, position and KV row of an idle row (gather_rows yields zeros, scatter skips)
+
+
+def fed(pick: int) -> int:
+    """The token of a row that takes what the previous step sampled for its logits row `pick`
+    (feed_tokens, cuda/ops/steps.cuh)."""
+    return -2 - pick
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,7 @@ class StepInputs:
             "lengths": n,
             "rng": 3 * r,
             "params": 3 * r,
+            "expect": 1,
         }
         pinned = device.type == "cuda"
         self.host = torch.empty(sum(sizes.values()), dtype=torch.int32, pin_memory=pinned)
@@ -111,11 +125,13 @@ class StepInputs:
         max_len: int,
         params: torch.Tensor,
         rng: torch.Tensor,
+        expect: int,
     ) -> None:
         """Fill the inputs for `spans` at their `places` (Layout.places: first row and logits
         row per span; params float32 and rng int32, [spans, 3] each), idle rows and greedy idle
-        picks elsewhere, and copy them to the device."""
+        picks elsewhere, the clock value to wait for, and copy them to the device."""
         host = self._host
+        host["expect"][0] = expect
         for name in ("tokens", "positions", "kv_rows"):
             host[name][:] = IDLE
         host["lengths"][:] = 0
@@ -136,9 +152,35 @@ class StepInputs:
             self.device.copy_(self.host)
 
 
+class StepChain:
+    """What chains one engine's steps on the device: the clock every step ticks, and per parity
+    the tokens its steps sample (one per logits row, at most `picks`)."""
+
+    def __init__(self, picks: int, device: torch.device) -> None:
+        self.clock = torch.zeros(1, dtype=torch.int32, device=device)
+        self.sampled = torch.full((2, picks), IDLE, dtype=torch.int32, device=device)
+        self.launched = 0  # steps launched: the clock's value once they all ticked
+
+    @property
+    def parity(self) -> int:
+        """The parity of the step about to launch (which program of its layout runs it)."""
+        return self.launched % 2
+
+    def next(self) -> int:
+        """The clock value the step about to launch waits for; counts it."""
+        step, self.launched = self.launched, self.launched + 1
+        return (step + 2**31) % 2**32 - 2**31  # as int32, wrapping like the clock
+
+    def resync(self) -> None:
+        """Start counting from the clock again (after a failed step, whose tick may be
+        missing); the caller has waited for the steps launched."""
+        self.launched = int(self.clock.item()) % 2**32
+
+
 class ProgramOps:
     """MicroOps that record each call into a device program over a layout's rows (see forward.py
-    for the contracts; `inputs` holds what changes per step)."""
+    for the contracts; `inputs` holds what changes per step). The program's first task takes the
+    rows' tokens from the inputs and from `fed` (feed_tokens)."""
 
     def __init__(
         self,
@@ -147,12 +189,15 @@ class ProgramOps:
         pool: KVPool,
         inputs: StepInputs,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        feed: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         self.build, self.config, self.pool, self.inputs = build, config, pool, inputs
         self.layout, self.tables = inputs.layout, rotary
         self.picks = torch.tensor(
             inputs.layout.picked_rows(), dtype=torch.int32, device=pool.keys.device
         )
+        sampled, clock = feed
+        self.tokens = self._add("feed_tokens", inputs["tokens"], sampled, clock, inputs["expect"])
 
     def _add(
         self, op: str, *inputs: torch.Tensor, out: torch.Tensor | None = None, **scalars: float
@@ -160,7 +205,7 @@ class ProgramOps:
         return self.build.add(OpCall(op, inputs, out=out, scalars=scalars))
 
     def embed(self, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        x = self._add("gather_rows", table, self.inputs["tokens"])
+        x = self._add("gather_rows", table, self.tokens)
         if positions is None:
             return x
         return self._add(
@@ -262,9 +307,18 @@ class StepResult:
     logits: torch.Tensor | None  # [spans, vocab] fp32 on the CPU, when asked for
 
 
+@dataclass(frozen=True)
+class Launched:
+    """A step on its way: each span's logits row (what `fed` names in the next step), and the
+    call that waits for the step and reads back its tokens."""
+
+    picks: list[int]
+    result: Callable[[], StepResult]
+
+
 class StepProgram:
-    """The device program of one layout: forward, sampling and a row sum of the logits (a
-    non-finite logit makes it non-finite), with its inputs."""
+    """The device program of one layout and parity: forward, sampling into the chain, a row sum
+    of the logits (a non-finite logit makes it non-finite) and the tick, with its inputs."""
 
     def __init__(
         self,
@@ -273,13 +327,18 @@ class StepProgram:
         pool: KVPool,
         layout: Layout,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        chain: StepChain,
+        parity: int,
     ) -> None:
         self.inputs = StepInputs(layout, rt.device)
-        ops = ProgramOps(rt.program(), model.config, pool, self.inputs, rotary)
+        feed = (chain.sampled[1 - parity], chain.clock)
+        ops = ProgramOps(rt.program(), model.config, pool, self.inputs, rotary, feed)
         self.logits = forward(model, ops)
         inputs = (self.logits, self.inputs["params"], self.inputs["rng"])
-        self.tokens = ops.build.add(OpCall("sample_tokens", inputs))
+        out = chain.sampled[parity, : layout.picks]
+        self.tokens = ops.build.add(OpCall("sample_tokens", inputs, out=out))
         self.sums = ops.build.add(OpCall("sum", (self.logits,), dims=(1,)))
+        ops.build.add(OpCall("tick", (self.tokens,), out=chain.clock))
         self.program: Program = ops.build.build()
         self.layout, self.max_len = layout, pool.max_len
 
@@ -291,11 +350,12 @@ class StepProgram:
         rng: torch.Tensor,
         keep_logits: bool,
         timeout: float,
-    ) -> Callable[[], StepResult]:
-        """Write the step's inputs and submit the program; the returned call waits for it and
-        reads back the spans' tokens."""
+        expect: int,
+    ) -> Launched:
+        """Write the step's inputs (`expect`: the clock value of the previous step's tick) and
+        submit the program; the result waits for it and reads back the spans' tokens."""
         places = np.array(self.layout.places(spans), dtype=np.int64).reshape(-1, 2)
-        self.inputs.write(spans, places, self.max_len, params, rng)
+        self.inputs.write(spans, places, self.max_len, params, rng, expect)
         batch = rt.submit(self.program)
         picks = places[:, 1].tolist()
 
@@ -305,4 +365,4 @@ class StepProgram:
             logits = self.logits[picks].cpu() if keep_logits else None
             return StepResult(tokens[picks].tolist(), sums[picks].isfinite().tolist(), logits)
 
-        return result
+        return Launched(picks, result)

@@ -1,18 +1,21 @@
 """Continuous-batching decode engine (docs/DESIGN.md, Serving → LLM engine).
 
-One thread runs steps. A step reads as three calls:
+One thread runs steps. A step reads as four calls:
 
     step = self._schedule()        # admit waiting requests into free KV slots; each running request
                                    # brings a span of new rows (its prompt, in chunks, then 1 token)
     run = self._launch(step)       # the model's forward (forward.py) and sampling over the spans:
                                    # one device program on the runtime (device_step.py), or torch
-    self._emit()                   # while it runs: text of the previous step's tokens (detokenize,
-                                   # stop strings, stream out, free finished slots)
-    self._collect(step, run())     # this step's tokens, kept for the next _emit
+    self._collect(previous, ...)   # the previous step's tokens (on the runtime, steps chain on the
+                                   # device: this step was queued behind that one, and its rows
+                                   # take that step's tokens there), or this step's with torch
+    self._emit()                   # while the device runs: their text (detokenize, stop strings,
+                                   # stream out, free finished slots)
 
-A request whose tokens end it (eos, max_tokens) runs no further row; one that a stop string ends
-is found a step later, so it may run one row more, whose token is dropped (vLLM's asynchronous
-scheduling makes the same trade).
+So on the runtime the host schedules step k + 1 while step k runs, and a request's next row is
+scheduled before its last token is known (vLLM's asynchronous scheduling): a request that eos
+or a stop string ends may run a row or two more, whose tokens are dropped; max_tokens and the
+context are counted ahead and never overrun.
 
 Requests join and leave at step boundaries. Memory is bounded: a fixed pool of KV slots; requests
 wait in a bounded queue for a free slot (EngineFullError beyond it). `micro_ops="torch"` runs the
@@ -29,7 +32,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -38,7 +41,7 @@ import torch
 from gpuos_core import Runtime
 from gpuos_core.errors import GpuosError
 from gpuos_core.sampler import rng_rows, sample_rows
-from serving.llm.device_step import Layout, StepProgram, StepResult
+from serving.llm.device_step import Launched, Layout, StepChain, StepProgram, StepResult, fed
 from serving.llm.forward import Span, TorchOps, forward
 from serving.llm.model import KVPool, Model, rotary_cos_sin
 from serving.llm.sampling import SamplingParams, StopMatcher
@@ -133,7 +136,9 @@ class _Request:
     seed: int  # Philox key of its draws (with the token's index as counter)
     generated: list[int] = field(default_factory=list)
     slot: int = -1  # KV slot while running
-    cached: int = 0  # tokens whose keys/values are in the slot
+    queued: int = 0  # tokens whose keys/values the steps launched so far store in the slot
+    inflight: int = 0  # tokens launched steps choose for it that were not collected yet
+    feed: int = -1  # while inflight: the logits row of its next token in the latest step
     finished: bool = False  # its last delta was sent: later tokens are dropped
 
     @property
@@ -142,23 +147,26 @@ class _Request:
 
     @property
     def length(self) -> int:
-        """Tokens of the sequence so far: prompt and generated."""
+        """Tokens of the sequence so far: prompt and generated (collected)."""
         return len(self.prompt) + len(self.generated)
 
     def spent(self, eos: frozenset[int], max_len: int) -> bool:
-        """Whether its tokens so far end it (eos, max_tokens, the context), before its text is
-        looked at: it must not run another row."""
-        done = self.generated and (
-            self.generated[-1] in eos or len(self.generated) >= self.params.max_tokens
-        )
-        return bool(done) or self.length >= max_len
+        """Whether its tokens so far, those still in flight counted, end it (eos, max_tokens,
+        the context), before its text is looked at: it must not run another row."""
+        chosen = len(self.generated) + self.inflight
+        eos_seen = not self.inflight and bool(self.generated) and self.generated[-1] in eos
+        full = self.length + self.inflight >= max_len
+        return eos_seen or chosen >= self.params.max_tokens or full
 
     def pending_tokens(self) -> list[int]:
-        """Tokens to feed next: the prompt (rest) first, then the last generated token (no copy
-        of the whole sequence: this runs for every request every step)."""
-        if self.cached < len(self.prompt):
-            return self.prompt[self.cached :] + self.generated
-        return self.generated[self.cached - len(self.prompt) :]
+        """Tokens to feed next: the prompt (rest) first, then the last generated token, or the
+        one the latest step is choosing (`fed`: taken on the device). No copy of the whole
+        sequence: this runs for every request every step."""
+        if self.inflight:  # that step fed every token before it
+            return [fed(self.feed)]
+        if self.queued < len(self.prompt):
+            return self.prompt[self.queued :] + self.generated
+        return self.generated[self.queued - len(self.prompt) :]
 
     def sampling_row(self) -> tuple[float, float, float]:
         """(temperature, top_p, top_k): its row of sample_tokens' params."""
@@ -171,12 +179,15 @@ class _Step:
 
     requests: tuple[_Request, ...]
     spans: tuple[Span, ...]  # per request, in order
+    chooses: tuple[bool, ...]  # per request: its span ends with its last pending row (the step
+    # chooses its next token; a prompt chunk before the last does not)
+    draws: tuple[int, ...]  # per request: the index of the token the step chooses
 
     def sampling(self) -> tuple[torch.Tensor, torch.Tensor]:
         """sample_tokens' params (float32) and rng (int32) rows, [requests, 3] each: a request's
         draw depends on its seed and its token's index only, never on its batch."""
         params = torch.tensor([r.sampling_row() for r in self.requests], dtype=torch.float32)
-        rng = rng_rows([r.seed for r in self.requests], [len(r.generated) for r in self.requests])
+        rng = rng_rows([r.seed for r in self.requests], list(self.draws))
         return params.reshape(-1, 3), rng
 
 
@@ -188,23 +199,32 @@ class NonFiniteLogitsError(GpuosError):
 class _Forward(Protocol):
     """How an engine runs a step's forward and sampling."""
 
+    chains: bool  # steps chain on the device: spans may hold `fed` tokens of the latest step
+
     def start(
         self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool
-    ) -> Callable[[], StepResult]:
-        """Start the step; the returned call waits for the tokens (and, when `keep_logits`,
-        logits) of each span's last row."""
+    ) -> Launched:
+        """Start the step; its result waits for the tokens (and, when `keep_logits`, logits) of
+        each span's last row."""
+        ...
+
+    def resync(self) -> None:
+        """After a failed step: wait for the steps launched, and chain the next from there."""
         ...
 
 
 class _TorchForward:
-    """The forward in torch, one launch per micro-op (micro_ops="torch": the baseline)."""
+    """The forward in torch, one launch per micro-op (micro_ops="torch": the baseline); a step
+    is done when `start` returns."""
+
+    chains = False
 
     def __init__(self, model: Model, kv: KVPool) -> None:
         self.model, self.kv = model, kv
 
     def start(
         self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool
-    ) -> Callable[[], StepResult]:
+    ) -> Launched:
         logits = forward(self.model, TorchOps(self.model.config, self.kv, spans))
         tokens = sample_rows(logits, params.to(logits.device), rng.to(logits.device))
         done = StepResult(
@@ -212,14 +232,18 @@ class _TorchForward:
             logits.isfinite().all(-1).tolist(),
             logits.cpu() if keep_logits else None,
         )
-        return lambda: done
+        return Launched(list(range(len(spans))), lambda: done)
+
+    def resync(self) -> None:
+        pass  # nothing runs after start returns
 
 
 class _ProgramForward:
-    """The forward as one device program on the runtime per layout of spans, built on first use
-    (the last PROGRAMS layouts' programs kept)."""
+    """The forward as one device program on the runtime per layout of spans and parity, built on
+    first use (the last PROGRAMS kept); steps chain on the device (device_step.StepChain)."""
 
-    PROGRAMS = 16  # step programs kept (by layout); the least recently used is dropped beyond
+    PROGRAMS = 32  # step programs kept (by layout and parity); the least recently used is dropped
+    chains = True
 
     def __init__(
         self,
@@ -229,20 +253,38 @@ class _ProgramForward:
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
         self.runtime, self.model, self.kv, self.rotary = runtime, model, kv, rotary
-        self._programs: OrderedDict[Layout, StepProgram] = OrderedDict()
+        # a step has a logits row per decode row (one per slot at most) and per prefill span
+        self.chain = StepChain(2 * kv.slots, runtime.device)
+        self._programs: OrderedDict[tuple[Layout, int], StepProgram] = OrderedDict()
+        self._last: Launched | None = None
 
     def start(
         self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool
-    ) -> Callable[[], StepResult]:
-        program = self._program(Layout.of(spans, self.kv.slots))
-        return program.start(self.runtime, spans, params, rng, keep_logits, timeout=60)
+    ) -> Launched:
+        layout = Layout.of(spans, self.kv.slots)
+        program = self._program(layout, self.chain.parity)
+        expect = self.chain.next()
+        self._last = program.start(self.runtime, spans, params, rng, keep_logits, 60, expect)
+        return self._last
 
-    def _program(self, layout: Layout) -> StepProgram:
-        if layout in self._programs:
-            self._programs.move_to_end(layout)
-            return self._programs[layout]
-        program = StepProgram(self.runtime, self.model, self.kv, layout, self.rotary)
-        self._programs[layout] = program
+    def resync(self) -> None:
+        last, self._last = self._last, None
+        if last is not None:
+            try:
+                last.result()
+            except Exception:  # noqa: BLE001 - it failed already; only its end matters here
+                log.warning("the step before a resync failed too", exc_info=True)
+        self.chain.resync()
+
+    def _program(self, layout: Layout, parity: int) -> StepProgram:
+        key = (layout, parity)
+        if key in self._programs:
+            self._programs.move_to_end(key)
+            return self._programs[key]
+        program = StepProgram(
+            self.runtime, self.model, self.kv, layout, self.rotary, self.chain, parity
+        )
+        self._programs[key] = program
         if len(self._programs) > self.PROGRAMS:
             self._programs.popitem(last=False)
         return program
@@ -280,6 +322,7 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._unsent: list[tuple[_Request, int]] = []  # tokens chosen, text not yet emitted
+        self._inflight: tuple[_Step, Launched] | None = None  # launched, not collected (chained)
         self._lock = threading.Condition()
         self._closed = False
         self.steps = self.tokens = 0  # steps run, tokens generated (for /v1/stats)
@@ -363,24 +406,29 @@ class Engine:
                 self.step()
             except Exception as exc:  # fail what ran in this step; the engine keeps serving
                 log.exception("LLM step failed")
+                self._inflight = None
                 self._fail(self._running, f"{type(exc).__name__}: {exc}")
+                self._forward.resync()
         self._fail(self._running + list(self._waiting), "the engine was closed")
 
     def _wait_for_work(self) -> bool:
         with self._lock:
-            while not self._closed and not self._running and not self._waiting:
+            while not (self._closed or self._running or self._waiting or self._inflight):
                 self._lock.wait()
             return not self._closed
 
     def step(self) -> None:
-        """One step: admit, start the spans' rows on the device, stream the previous step's
-        text meanwhile, then take this step's tokens."""
+        """One step: admit, start the spans' rows on the device, take the tokens of the
+        previous step (chained on the device) or of this one (torch), stream their text."""
         step = self._schedule()
-        run = self._launch(step) if step is not None else None
-        self._emit()
-        if step is not None and run is not None:
-            self._collect(step, run())
+        launched = (step, self._launch(step)) if step is not None else None
+        done = launched
+        if self._forward.chains:
+            done, self._inflight = self._inflight, launched
+        if done is not None:
+            self._collect(done[0], done[1].result())
             self.steps += 1
+        self._emit()
 
     def _schedule(self) -> _Step | None:
         """Admit waiting requests into free slots, drop cancelled ones, take every running
@@ -394,25 +442,36 @@ class Engine:
                 request = self._waiting.popleft()
                 request.slot = heapq.heappop(self._free)
                 self._running.append(request)
-        budget, requests, spans = self.config.max_step_tokens, [], []
+        budget, requests, spans, chooses = self.config.max_step_tokens, [], [], []
         for r in self._running:
             if budget <= 0:
                 break
             if r.spent(self.tokenizer.eos_ids, self.max_len):
-                continue  # ends at the next _emit
-            take = r.pending_tokens()[:budget]
+                continue  # ends at an _emit to come
+            pending = r.pending_tokens()
+            take = pending[:budget]
             requests.append(r)
-            spans.append(Span(r.slot, r.cached, tuple(take)))
+            spans.append(Span(r.slot, r.queued, tuple(take)))
+            chooses.append(len(take) == len(pending))
             budget -= len(take)
-        return _Step(tuple(requests), tuple(spans)) if requests else None
+        if not requests:
+            return None
+        draws = tuple(len(r.generated) + r.inflight for r in requests)
+        return _Step(tuple(requests), tuple(spans), tuple(chooses), draws)
 
     # -- the forward ---------------------------------------------------------------------------
-    def _launch(self, step: _Step) -> Callable[[], StepResult]:
-        """Start the step; the returned call waits for the tokens (and, when a stream keeps
-        them, logits) of each span's last row."""
+    def _launch(self, step: _Step) -> Launched:
+        """Start the step; its result waits for the tokens (and, when a stream keeps them,
+        logits) of each span's last row. The requests count its rows as queued and the tokens
+        it chooses as in flight."""
         params, rng = step.sampling()
         keep = any(r.stream.logits is not None for r in step.requests)
-        return self._forward.start(step.spans, params, rng, keep)
+        launched = self._forward.start(step.spans, params, rng, keep)
+        for r, span, chooses, pick in zip(step.requests, step.spans, step.chooses, launched.picks):
+            r.queued += len(span.tokens)
+            if chooses:
+                r.inflight, r.feed = r.inflight + 1, pick
+        return launched
 
     def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos and sin [max_len, head_dim / 2] in the model's dtype (None without rotary)."""
@@ -430,10 +489,12 @@ class Engine:
         """Take the step's tokens: requests that fed their last pending row get one (its text
         waits for the next _emit); non-finite logits end their request now."""
         now = time.perf_counter()
-        for i, (r, span) in enumerate(zip(step.requests, step.spans)):
-            r.cached += len(span.tokens)
-            if r.finished or r.cached != r.length:
-                continue  # ended meanwhile (its row ran for nothing), or a prompt chunk
+        for i, (r, chooses) in enumerate(zip(step.requests, step.chooses)):
+            if not chooses:
+                continue  # a prompt chunk
+            r.inflight -= 1
+            if r.finished:
+                continue  # ended meanwhile: its row ran for nothing
             if not out.finite[i]:
                 self._finish(
                     r,

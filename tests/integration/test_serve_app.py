@@ -151,6 +151,7 @@ def test_health_readiness_and_the_operator_catalogue(client: httpx.Client) -> No
     assert ops["softmax"]["family"] == "softmax" and ops["softmax"]["version"] == 1
     assert ops["layernorm"]["scalars"] == [{"name": "eps", "default": 1e-5}]
     assert (ops["layernorm"]["arity"], ops["layernorm"]["min_inputs"]) == (3, 1)
+    assert "feed_tokens" not in ops and "tick" not in ops  # the LLM engine's own
     assert client.get("/docs").status_code == 200
 
 
@@ -216,6 +217,8 @@ BAD_INPUTS = [  # (op, body, status, words the message must contain)
     ("relu", {"inputs": [{"data": [1.0]}], "colour": "red"}, 422, "Extra inputs"),
     ("relu", {"inputs": [{"data": [0.5] * (MAX_ELEMENTS + 1)}]}, 413, f"more than {MAX_ELEMENTS}"),
     ("no_such_op", {"inputs": [{"data": [1.0]}]}, 404, "unknown operator 'no_such_op'"),
+    # it would wait for a clock the engine's steps tick
+    ("feed_tokens", {"inputs": [{"data": [-2], "dtype": "int32"}]}, 404, "internal"),
 ]
 
 
