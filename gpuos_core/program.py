@@ -228,7 +228,8 @@ class _Plan:
     """Per-record dependency fields, filled task by task."""
 
     signal: list[int] = field(default_factory=list)
-    waits: list[tuple[tuple[int, int], ...]] = field(default_factory=list)  # (event, count) pairs
+    # runs of records that wait alike: ((event, count) pairs, records); a task's tiles are one run
+    waits: list[tuple[tuple[tuple[int, int], ...], int]] = field(default_factory=list)
     joins: list[int] = field(default_factory=list)  # per task: join records before its tiles
     events: int = 0
 
@@ -249,14 +250,14 @@ def plan_events(tasks: Sequence[Prepared], deps: Sequence[tuple[int, ...]]) -> _
             join = plan.event()
             for k in range(0, len(waits), MAX_WAITS):
                 plan.signal.append(join)
-                plan.waits.append(waits[k : k + MAX_WAITS])
+                plan.waits.append((waits[k : k + MAX_WAITS], 1))
                 joins += 1
             waits = ((join, joins),)
         if i in producers:
             event_of[i] = plan.event()
         tiles = len(task.records)
         plan.signal += [event_of.get(i, NO_EVENT)] * tiles
-        plan.waits += [waits] * tiles
+        plan.waits.append((waits, tiles))
         plan.joins.append(joins)
     return plan
 
@@ -294,11 +295,13 @@ def encode_program(
 
 def _write_plan(records: np.ndarray, plan: _Plan, events: int) -> None:
     """Write signal, wait and wait_count of every record; `events` only where one is used."""
-    wait = np.full((len(records), MAX_WAITS), NO_EVENT, dtype=np.int32)
-    count = np.zeros((len(records), MAX_WAITS), dtype=np.uint32)
-    for r, pairs in enumerate(plan.waits):
+    wait = np.full((len(plan.waits), MAX_WAITS), NO_EVENT, dtype=np.int32)
+    count = np.zeros((len(plan.waits), MAX_WAITS), dtype=np.uint32)
+    for run, (pairs, _) in enumerate(plan.waits):  # per run of records, not per record
         for k, (event, n) in enumerate(pairs):
-            wait[r, k], count[r, k] = event, n
+            wait[run, k], count[run, k] = event, n
+    lengths = [n for _, n in plan.waits]
+    wait, count = np.repeat(wait, lengths, axis=0), np.repeat(count, lengths, axis=0)
     signal = np.array(plan.signal, dtype=np.int32)
     records["signal"] = signal
     records["wait"] = wait

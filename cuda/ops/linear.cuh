@@ -31,7 +31,8 @@
  * ahead (one bulk prefetch per row on sm_90), so that the ring's loads hit L2; x goes through 3
  * stages of shared memory (cp.async.cg: L2, never a stale L1 line) shared by the 8 warps. Both
  * streams run on across the items of a record, so an item's epilogue overlaps the next item's
- * loads. Registers: 96 (the NVRTC cap); static shared memory 12,388 bytes (stages 12 KB).
+ * loads. Registers: 96 (the NVRTC cap); static shared memory 24,676 bytes (stages 24 KB:
+ * an x stage of 32 or 64 rows then spans 4 or 2 steps, a barrier per stage, not per step).
  * Anything else (fp32, odd strides or alignment, K = 0, small blocks) takes the CUDA-core path:
  * one thread per output, same items, same combine. */
 #pragma once
@@ -45,7 +46,7 @@
 #define GPUOS_LINEAR_STEP_ALIGN 8   /* a split's steps come in multiples of this */
 #define GPUOS_LINEAR_PART_ROWS 16   /* partial blocks have rows rounded up to this */
 #define GPUOS_LINEAR_STAGES 3       /* x stages in shared memory */
-#define GPUOS_LINEAR_STAGE_BYTES 4096
+#define GPUOS_LINEAR_STAGE_BYTES 8192
 #define GPUOS_LINEAR_MMA_THREADS (GPUOS_LINEAR_WARPS * GPUOS_WARP)
 /* W is prefetched into L2 this many steps at a time, twice that ahead of its loads. */
 #define GPUOS_LINEAR_PREFETCH GPUOS_LINEAR_STEP_ALIGN
@@ -425,15 +426,15 @@ __device__ __forceinline__ void gpuos_linear_issue_x(const GpuosTask* t, const G
                                                      unsigned int stage) {
   using St = GpuosLinearStages<R, D>;
   const GpuosLinearXStage x = xs[n & 1];
-  const int tid = threadIdx.x, row = tid / St::CHUNKS, kofs = 8 * (tid % St::CHUNKS);
-  if (tid < R * St::CHUNKS) {
+  const char* x0 = reinterpret_cast<const char*>(t->in[0].data);
+  for (int c = threadIdx.x; c < R * St::CHUNKS; c += blockDim.x) {
+    const int row = c / St::CHUNKS, kofs = 8 * (c % St::CHUNKS);
     const bool in = row < x.rows && x.k + kofs < x.k1;
-    const char* x0 = reinterpret_cast<const char*>(t->in[0].data);
     const char* src = x0 + 2 * ((x.row0 + row) * p.xrs + x.k + kofs);
-    gpuos_cp_async16(stage + St::offset(row, tid % St::CHUNKS), in ? src : x0, in ? 16 : 0);
+    gpuos_cp_async16(stage + St::offset(row, c % St::CHUNKS), in ? src : x0, in ? 16 : 0);
   }
   gpuos_cp_async_commit();
-  if (tid == 0) {
+  if (threadIdx.x == 0) {
     GpuosLinearXStage next = x;
     next.k += St::KC;
     xs[(n + 1) & 1] = --next.stages > 0 ? next : gpuos_linear_x_stage(t, p, x.item + 1, St::KC);
