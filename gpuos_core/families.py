@@ -184,8 +184,9 @@ class RowFamily(Family):
     header = "ops/rows.cuh"
     rows_are_items = True
 
-    def __init__(self, name: str, macro: str, fn: RowFn) -> None:
-        self.name, self.macro, self._fn = name, macro, fn
+    def __init__(self, name: str, macro: str, fn: RowFn, flags: int = 0) -> None:
+        """`flags`: TASK_EARLY for the norms, whose operators warm their parameters first."""
+        self.name, self.macro, self._fn, self.flags = name, macro, fn, flags
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
         x = inputs[0]
@@ -343,6 +344,7 @@ class AttentionFamily(Family):
 
     name, header, macro = "attention_decode", "ops/attention.cuh", "GPUOS_DEFINE_ATTENTION_DECODE"
     index_inputs = {3: "lengths"}
+    flags = TASK_EARLY  # its records warm their first keys and values while q is produced
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
         q, k, v = inputs[:3]
@@ -898,10 +900,10 @@ _FAMILIES: tuple[Family, ...] = (
     RowFamily(
         "log_softmax", "GPUOS_DEFINE_LOG_SOFTMAX", lambda xs, s: torch.log_softmax(xs[0], dim=-1)
     ),
-    RowFamily("layernorm", "GPUOS_DEFINE_LAYERNORM", _layernorm),
-    RowFamily("rmsnorm", "GPUOS_DEFINE_RMSNORM", _rmsnorm),
-    AddNormFamily("add_layernorm", "GPUOS_DEFINE_ADD_LAYERNORM", _layernorm),
-    AddNormFamily("add_rmsnorm", "GPUOS_DEFINE_ADD_RMSNORM", _rmsnorm),
+    RowFamily("layernorm", "GPUOS_DEFINE_LAYERNORM", _layernorm, TASK_EARLY),
+    RowFamily("rmsnorm", "GPUOS_DEFINE_RMSNORM", _rmsnorm, TASK_EARLY),
+    AddNormFamily("add_layernorm", "GPUOS_DEFINE_ADD_LAYERNORM", _layernorm, TASK_EARLY),
+    AddNormFamily("add_rmsnorm", "GPUOS_DEFINE_ADD_RMSNORM", _rmsnorm, TASK_EARLY),
     ReduceFamily("sum", "GPUOS_DEFINE_SUM", mean=False),
     ReduceFamily("mean", "GPUOS_DEFINE_MEAN", mean=True),
     RotaryFamily(),

@@ -36,7 +36,13 @@ struct GpuosAddNormRow {
   }
 };
 
-#define GPUOS_DEFINE_ADD_RMSNORM(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosAddNormRow<true> >(t); }
-#define GPUOS_DEFINE_ADD_LAYERNORM(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosAddNormRow<false> >(t); }
+#define GPUOS_DEFINE_ADD_RMSNORM(SYMBOL)                  \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
+    gpuos_norm_warm_await<2>(t);                          \
+    gpuos_rows<GpuosAddNormRow<true> >(t);                \
+  }
+#define GPUOS_DEFINE_ADD_LAYERNORM(SYMBOL)                \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
+    gpuos_norm_warm_await<2>(t);                          \
+    gpuos_rows<GpuosAddNormRow<false> >(t);               \
+  }

@@ -570,12 +570,35 @@ __device__ __forceinline__ void gpuos_attn_mode(const GpuosTask* t, GpuosAttnSha
   }
 }
 
+/* Ask L2 for the key and value rows of the record's first item (a line per thread at a time)
+ * before its queries are ready (GPUOS_TASK_EARLY): the cache's rows from earlier steps are
+ * already there. The item is decoded from lengths as they are now, which a producer may still
+ * rewrite: only a hint, and its rows are bounded by K's and V's own sizes whatever it reads. */
+__device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, const GpuosAttnPlan& p) {
+  const GpuosAttnItem it = gpuos_attn_item(t, p, t->range_begin);
+  const int row_lines = (p.d * gpuos_dtype_size(t->in[1].dtype) + 127) / 128;
+  const int lines = 2 * (it.k1 - it.k0) * row_lines;
+  GPUOS_ROLLED
+  for (int i = threadIdx.x; i < lines; i += blockDim.x) {
+    const int key = it.k0 + i / (2 * row_lines), part = i % (2 * row_lines);
+    const GpuosKeys& m = part < row_lines ? it.k : it.v;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(m.key(key) + 128 * (part % row_lines)));
+  }
+}
+
 __device__ __forceinline__ void gpuos_attention_decode(const GpuosTask* t) {
   __shared__ __align__(16) GpuosAttnShared sh;
-  if (t->range_begin >= t->range_end) return; /* no rows: uniform */
+  if (t->range_begin >= t->range_end) { /* no rows: uniform */
+    gpuos_await(t);
+    return;
+  }
+  /* GPUOS_TASK_EARLY: the plan (from the workspace's header, written when the task was built)
+   * and the first item's keys come before the wait for q, k and v */
   if (threadIdx.x == 0) sh.plan = gpuos_attn_plan(t);
   __syncthreads();
   GPUOS_MARK(0);
+  if (sh.plan.fast) gpuos_attn_warm(t, sh.plan);
+  gpuos_await(t);
   /* Few versions of the loops: dims per lane rounded up to a power of two. */
   const int d = sh.plan.d;
   if (d <= GPUOS_WARP) {

@@ -94,6 +94,25 @@ struct GpuosRmsNormRow {
   }
 };
 
+/* The norms' records are GPUOS_TASK_EARLY (families.py): before waiting for x, ask L2 for their
+ * parameters in[W..] (weight, bias), one 128-byte line per thread at a time. Weights are read once
+ * a step and evicted by the next layers' in between: loaded after the wait they cost a trip to
+ * memory (and a TLB walk) on the critical path. A prefetch is only a hint, so a parameter that a
+ * producer does write is still read right after the wait. */
+template <int W>
+__device__ __forceinline__ void gpuos_norm_warm_await(const GpuosTask* t) {
+  GPUOS_ROLLED
+  for (int i = W; i < t->num_inputs; ++i) {
+    const GpuosTensorRef& w = t->in[i];
+    const char* p = reinterpret_cast<const char*>(w.data);
+    const int64_t bytes = w.ndim == 1 && w.strides[0] == 1 ? w.numel * gpuos_dtype_size(w.dtype) : 0;
+    GPUOS_ROLLED
+    for (int64_t at = 128 * static_cast<int64_t>(threadIdx.x); at < bytes; at += 128 * blockDim.x)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + at));
+  }
+  gpuos_await(t);
+}
+
 template <class Op>
 __device__ __forceinline__ void gpuos_rows(const GpuosTask* t) {
   gpuos_for_rows<Op>(t, gpuos_row_len(t->in[0]));
@@ -103,7 +122,13 @@ __device__ __forceinline__ void gpuos_rows(const GpuosTask* t) {
   extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosSoftmaxRow<false> >(t); }
 #define GPUOS_DEFINE_LOG_SOFTMAX(SYMBOL) \
   extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosSoftmaxRow<true> >(t); }
-#define GPUOS_DEFINE_LAYERNORM(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosLayerNormRow>(t); }
-#define GPUOS_DEFINE_RMSNORM(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosRmsNormRow>(t); }
+#define GPUOS_DEFINE_LAYERNORM(SYMBOL)                    \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
+    gpuos_norm_warm_await<1>(t);                          \
+    gpuos_rows<GpuosLayerNormRow>(t);                     \
+  }
+#define GPUOS_DEFINE_RMSNORM(SYMBOL)                      \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
+    gpuos_norm_warm_await<1>(t);                          \
+    gpuos_rows<GpuosRmsNormRow>(t);                       \
+  }
