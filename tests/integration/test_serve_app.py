@@ -218,7 +218,7 @@ BAD_INPUTS = [  # (op, body, status, words the message must contain)
     ("relu", {"inputs": [{"data": [0.5] * (MAX_ELEMENTS + 1)}]}, 413, f"more than {MAX_ELEMENTS}"),
     ("no_such_op", {"inputs": [{"data": [1.0]}]}, 404, "unknown operator 'no_such_op'"),
     # it would wait for a clock the engine's steps tick
-    ("feed_tokens", {"inputs": [{"data": [-2], "dtype": "int32"}]}, 404, "internal"),
+    ("feed_tokens", {"inputs": [{"data": [-2.0]}]}, 404, "internal"),
 ]
 
 
