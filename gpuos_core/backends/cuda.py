@@ -43,6 +43,9 @@ from .cudadrv import NOT_READY, CudaError, PinnedBuffer, check, kernel_params
 log = logging.getLogger("gpuos.cuda")
 _NON_BLOCKING = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
 MAX_CLAIM = 16  # GPUOS_MAX_CLAIM in gpuos_worker.cu: records a worker block can hold at once
+# Worker grids kept launched: the running one and its successor, queued behind it on the worker
+# stream. An implicit device-wide sync may so wait for two leases (CudaConfig.lease_ms each).
+WORKER_GRIDS = 2
 
 
 @dataclass
@@ -143,9 +146,12 @@ class CudaBackend(Backend):
         self.blocks = self._attribute("MULTIPROCESSOR_COUNT") * self.config.blocks_per_sm
         self._worker_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(worker)")
         self._copy_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(copy)")
-        self._worker_done = check(
-            cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
-        )
+        # one event per worker grid launched and not yet seen done (at most WORKER_GRIDS)
+        self._grids: collections.deque[object] = collections.deque()
+        self._free_events = [
+            check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            for _ in range(WORKER_GRIDS)
+        ]
         self._inputs_ready = check(
             cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
         )
@@ -350,11 +356,17 @@ class CudaBackend(Backend):
             raise StalledWorkerError(self.broken)
 
     def _ensure_worker(self) -> None:
-        """Launch the worker unless one is running (its launch's event not yet reached)."""
-        status = cu.cuEventQuery(self._worker_done)[0]
-        if status == NOT_READY:
+        """Keep WORKER_GRIDS worker launches queued on the worker stream: the one running and
+        the next, which starts the moment the running one's lease ends (waiting for the poller
+        to notice the exit and relaunch left a ~0.5 ms hole in whatever was running then)."""
+        while self._grids:
+            status = cu.cuEventQuery(self._grids[0])[0]
+            if status == NOT_READY:
+                break
+            check((status,), "the previous worker launch")  # a sticky device fault surfaces here
+            self._free_events.append(self._grids.popleft())
+        if not self._free_events:
             return
-        check((status,), "the previous worker launch")  # a sticky device fault surfaces here
         c = self.config
         params, _args = kernel_params(
             self._queue,
@@ -380,7 +392,9 @@ class CudaBackend(Backend):
             ),
             "worker launch",
         )
-        check(cu.cuEventRecord(self._worker_done, self._worker_stream), "cuEventRecord")
+        done = self._free_events.pop()
+        check(cu.cuEventRecord(done, self._worker_stream), "cuEventRecord")
+        self._grids.append(done)
         self.launches += 1
 
     def _stop_worker(self) -> None:

@@ -42,7 +42,7 @@ def test_torch_work_and_device_syncs_interleave_with_runtime_traffic(rt: Runtime
             b = a @ a
             del b
             torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # allocation churn
-            torch.cuda.synchronize()  # device-wide: must wait at most one lease
+            torch.cuda.synchronize()  # device-wide: waits at most two leases
 
     worker = threading.Thread(target=torch_work)
     worker.start()
