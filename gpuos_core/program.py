@@ -119,6 +119,11 @@ class ProgramBuilder:
         self._tasks: list[Prepared] = []
         self._after: list[tuple[int, ...]] = []
 
+    def __len__(self) -> int:
+        """Tasks added so far: the index the next `add` gets (what `after=` and
+        `Program.binding` name tasks by)."""
+        return len(self._tasks)
+
     def add(self, call: OpCall, after: Iterable[int] = ()) -> torch.Tensor:
         """Append a task (validated now: TensorSpecError, UnknownOperatorError); it also runs
         after the tasks numbered in `after` (indices of earlier `add` calls). Returns its output."""

@@ -5,8 +5,10 @@ Rows of a step (its `Layout`): rows 0..decode-1 are one per KV slot 0..decode-1 
 one row this step sits at its slot's row; the others idle: token -1, no KV write, KV length 0),
 then the rows of each longer span (prefill chunks), in order. Logits rows: every decode row, then
 each prefill span's last row. A program depends only on its layout (the decode-row count, and
-each prefill span's slot and row count), so steady decoding reuses one program per power-of-two
-count of decode rows, and a prefill chunk builds one for its shape.
+each prefill span's row count), so steady decoding reuses one program per power-of-two count of
+decode rows, and prefill chunks of the same sizes reuse one whatever their slots: a prefill
+span's attention reads its slot's keys and values through addresses each step rebinds
+(`Program.rebind`).
 
 What changes per step (token ids, positions, KV rows and lengths, sampling parameters and
 Philox counters) lives in `StepInputs`; operator versions resolve at each submit, so a hot swap
@@ -48,7 +50,7 @@ class Layout:
     """Where a step's spans sit: see the module docstring."""
 
     decode: int  # rows 0..decode-1: KV slots 0..decode-1
-    prefill: tuple[tuple[int, int], ...]  # per longer span: (slot, rows)
+    prefill: tuple[int, ...]  # per longer span: its rows
 
     @classmethod
     def of(cls, spans: Sequence[Span], slots: int) -> Layout:
@@ -56,11 +58,11 @@ class Layout:
         (at most `slots`), so that a request joining or leaving rarely needs a new program."""
         singles = [s.slot for s in spans if len(s.tokens) == 1]
         decode = min(1 << math.ceil(math.log2(max(singles) + 1)), slots) if singles else 0
-        return cls(decode, tuple((s.slot, len(s.tokens)) for s in spans if len(s.tokens) > 1))
+        return cls(decode, tuple(len(s.tokens) for s in spans if len(s.tokens) > 1))
 
     @property
     def rows(self) -> int:
-        return self.decode + sum(n for _, n in self.prefill)
+        return self.decode + sum(self.prefill)
 
     @property
     def picks(self) -> int:
@@ -80,7 +82,7 @@ class Layout:
 
     def picked_rows(self) -> list[int]:
         """The row of each logits row: decode rows themselves, then each prefill span's last."""
-        ends = np.cumsum([n for _, n in self.prefill], dtype=np.int64) + self.decode - 1
+        ends = np.cumsum(self.prefill, dtype=np.int64) + self.decode - 1
         return list(range(self.decode)) + ends.tolist()
 
 
@@ -193,6 +195,9 @@ class ProgramOps:
     ) -> None:
         self.build, self.config, self.pool, self.inputs = build, config, pool, inputs
         self.layout, self.tables = inputs.layout, rotary
+        # (task, operand, prefill span): operands that view KV slot 0 in the records, where each
+        # step binds its span's slot (Program.binding)
+        self.kv_uses: list[tuple[int, int, int]] = []
         self.picks = torch.tensor(
             inputs.layout.picked_rows(), dtype=torch.int32, device=pool.keys.device
         )
@@ -251,8 +256,10 @@ class ProgramOps:
         first = self.layout.decode
         if first:
             self._attend(layer, q, out, slice(0, first), slice(0, first))
-        for slot, n in self.layout.prefill:
-            self._attend(layer, q, out, slice(first, first + n), slice(slot, slot + 1))
+        for span, n in enumerate(self.layout.prefill):
+            task = len(self.build)
+            self._attend(layer, q, out, slice(first, first + n), slice(0, 1))  # slot: bound later
+            self.kv_uses += [(task, 1, span), (task, 2, span)]
             first += n
         return out
 
@@ -341,6 +348,12 @@ class StepProgram:
         ops.build.add(OpCall("tick", (self.tokens,), out=chain.clock))
         self.program: Program = ops.build.build()
         self.layout, self.max_len = layout, pool.max_len
+        # A prefill span's KV views sit at slot 0 in the records: binding "address" s * slot_bytes
+        # (plus the view's own address, kept as the delta) points them at slot s.
+        assert pool.keys.stride() == pool.values.stride(), "keys and values share one layout"
+        self.slot_bytes = pool.keys.stride(1) * pool.keys.element_size()
+        spans = len(layout.prefill)
+        self.binding = self.program.binding(ops.kv_uses, [0] * spans) if spans else None
 
     def start(
         self,
@@ -356,6 +369,9 @@ class StepProgram:
         submit the program; the result waits for it and reads back the spans' tokens."""
         places = np.array(self.layout.places(spans), dtype=np.int64).reshape(-1, 2)
         self.inputs.write(spans, places, self.max_len, params, rng, expect)
+        if self.binding is not None:
+            slots = np.array([s.slot for s in spans if len(s.tokens) > 1], dtype=np.uint64)
+            self.program.rebind(self.binding, slots * np.uint64(self.slot_bytes))
         batch = rt.submit(self.program)
         picks = places[:, 1].tolist()
 

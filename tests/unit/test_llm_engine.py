@@ -15,7 +15,14 @@ import torch
 
 from gpuos_core import Runtime
 from serving.llm import ByteTokenizer, Model, create_tiny_model, forward_tokens, load_model
-from serving.llm.engine import Engine, EngineConfig, EngineFullError, PromptTooLongError
+from serving.llm.engine import (
+    Engine,
+    EngineConfig,
+    EngineFullError,
+    PromptTooLongError,
+    _ProgramForward,
+)
+from serving.llm.forward import Span
 from serving.llm.sampling import SamplingParams
 
 FAMILIES = ["gpt2", "llama"]
@@ -119,6 +126,28 @@ def engine(model_dir: Path, runtime: Runtime) -> Iterator[Engine]:
     engine = start(device_model(model_dir, runtime), runtime, max_running=2, max_waiting=8)
     yield engine
     engine.close()
+
+
+def test_a_prefill_program_serves_its_layout_in_any_slot(model_dir: Path, runtime: Runtime) -> None:
+    """Prefill programs are keyed by their spans' sizes, not slots: three prompts of one length in
+    slots 2, 0 and 3 run on one program per parity, the third on the first's rebound to slot 3,
+    and each gives the reference forward's logits."""
+    model = device_model(model_dir, runtime)
+    engine = start(model, runtime, max_running=4)
+    try:
+        forward = engine._forward
+        assert isinstance(forward, _ProgramForward)
+        greedy, rng = torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.int32)
+        for slot, prompt in zip((2, 0, 3), prompts([6, 6, 6], seed=5)):
+            run = forward.start([Span(slot, 0, tuple(prompt))], greedy, rng, keep_logits=True)
+            logits = run.result().logits
+            assert logits is not None
+            tokens = torch.tensor(prompt, device=runtime.device)
+            want = forward_tokens(model, tokens)[-1].float().cpu()
+            torch.testing.assert_close(logits[0], want, rtol=1e-4, atol=1e-4)
+        assert len(forward._programs) == 2  # one layout, two parities
+    finally:
+        engine.close()
 
 
 def test_seed_makes_sampling_reproducible(engine: Engine) -> None:
