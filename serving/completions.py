@@ -505,8 +505,9 @@ async def _complete(replica: CompletionServices, body: CompletionRequest) -> Res
         return _echo_only(body, head, choices)
     loop, keep = asyncio.get_running_loop(), body.logprobs is not None
     started = time.perf_counter()
-    for choice in choices:
-        choice.stream = llm.engine.submit(choice.prompt, params, loop, keep_logits=keep)
+    submitted = llm.engine.submit_many([c.prompt for c in choices], params, loop, keep)
+    for choice, stream in zip(choices, submitted):
+        choice.stream = stream
     streams = [c.stream for c in choices if c.stream is not None]
     done = _Reporter(replica, llm.model_id, started)
     top = body.logprobs or 0

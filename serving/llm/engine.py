@@ -339,27 +339,42 @@ class Engine:
     ) -> _Stream:
         """Queue a request; its deltas arrive on the returned stream (iterate it, or `async for`
         when `loop` is the caller's event loop). Raises PromptTooLongError, EngineFullError."""
-        self._check_fits(prompt)
-        stream = _Stream(loop, keep_logits)
-        seed = secrets.randbits(64) if params.seed is None else params.seed
-        request = _Request(
-            list(prompt),
-            params,
-            stream,
-            self.tokenizer.detokenizer(),
-            StopMatcher(params.stop),
-            seed,
-        )
+        return self.submit_many([prompt], params, loop, keep_logits)[0]
+
+    def submit_many(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop | None = None,
+        keep_logits: bool = False,
+    ) -> list[_Stream]:
+        """Queue requests together, all or none (the choices of one API request, a benchmark's
+        batch): the next step admits them at once, as far as slots allow, rather than as they
+        trickle in. Raises as `submit` does, before queueing any."""
+        for prompt in prompts:
+            self._check_fits(prompt)
+        requests = [
+            _Request(
+                list(prompt),
+                params,
+                _Stream(loop, keep_logits),
+                self.tokenizer.detokenizer(),
+                StopMatcher(params.stop),
+                secrets.randbits(64) if params.seed is None else params.seed,
+            )
+            for prompt in prompts
+        ]
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
-            if len(self._waiting) >= self.config.max_waiting:
+            if len(self._waiting) + len(requests) > self.config.max_waiting:
                 raise EngineFullError(
-                    f"{len(self._waiting)} requests already wait for the engine; retry later"
+                    f"{len(self._waiting)} requests already wait for the engine (at most "
+                    f"{self.config.max_waiting}); {len(requests)} more do not fit: retry later"
                 )
-            self._waiting.append(request)
+            self._waiting.extend(requests)
             self._lock.notify()
-        return stream
+        return [r.stream for r in requests]
 
     def generate(self, prompt: list[int], params: SamplingParams) -> tuple[str, Delta]:
         """Blocking convenience: the whole completion text and its last delta."""

@@ -207,6 +207,25 @@ def test_full_queue_is_refused(model_dir: Path, runtime: Runtime) -> None:
         engine.close()
 
 
+@pytest.mark.parametrize("micro_ops", ["runtime", "torch"])
+def test_requests_submitted_together_share_their_steps(
+    model_dir: Path, runtime: Runtime, micro_ops: str
+) -> None:
+    """submit_many queues all or none, and the next step admits them together: four prompts of
+    six greedy tokens take six steps (one prefill, five decode), not one set of steps each."""
+    model = device_model(model_dir, runtime)
+    engine = start(model, runtime, micro_ops=micro_ops, max_running=4, max_waiting=4)
+    try:
+        with pytest.raises(EngineFullError, match="5 more do not fit"):
+            engine.submit_many(prompts([3, 5, 2, 7, 4]), GREEDY)
+        assert engine.stats()["waiting"] == 0  # none of them was queued
+        streams = engine.submit_many(prompts([3, 5, 2, 7]), GREEDY)
+        assert [list(s)[-1].finish_reason for s in streams] == ["length"] * 4
+        assert engine.stats()["steps"] == GREEDY.max_tokens
+    finally:
+        engine.close()
+
+
 def test_context_limits(engine: Engine) -> None:
     with pytest.raises(PromptTooLongError, match="context holds"):
         engine.submit([1] * engine.max_len, GREEDY)
