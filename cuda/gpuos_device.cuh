@@ -123,6 +123,12 @@ __device__ __forceinline__ unsigned int gpuos_poll_events(const GpuosTask* task,
   }
 }
 
+/* Ask L2 for the 128-byte line holding p: a hint that reads nothing into registers, so it may
+ * run before the producers of that memory are done (the warm-ups of GPUOS_TASK_EARLY operators). */
+__device__ __forceinline__ void gpuos_prefetch_line(const char* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 /* The wait of a GPUOS_TASK_EARLY record, by all threads of the block, once its operator's
  * input-free work is under way: returns when the record's inputs are ready to read. */
 __device__ __forceinline__ void gpuos_await(const GpuosTask* task) {

@@ -582,7 +582,7 @@ __device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, const GpuosA
   for (int i = threadIdx.x; i < lines; i += blockDim.x) {
     const int key = it.k0 + i / (2 * row_lines), part = i % (2 * row_lines);
     const GpuosKeys& m = part < row_lines ? it.k : it.v;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(m.key(key) + 128 * (part % row_lines)));
+    gpuos_prefetch_line(m.key(key) + 128 * (part % row_lines));
   }
 }
 

@@ -304,7 +304,7 @@ __device__ __forceinline__ void gpuos_prefetch_l2(const char* p, int bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #else
   GPUOS_ROLLED
-  for (int at = 0; at < bytes; at += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + at));
+  for (int at = 0; at < bytes; at += 128) gpuos_prefetch_line(p + at);
 #endif
 }
 
@@ -315,7 +315,7 @@ __device__ __forceinline__ void gpuos_prefetch_row(const char* p, int bytes, int
 #if __CUDA_ARCH__ >= 900
   if (q == 0 && bytes > 0) gpuos_prefetch_l2(p, bytes);
 #else
-  if (128 * q < bytes) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + 128 * q));
+  if (128 * q < bytes) gpuos_prefetch_line(p + 128 * q);
 #endif
 }
 

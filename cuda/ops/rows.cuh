@@ -108,7 +108,7 @@ __device__ __forceinline__ void gpuos_norm_warm_await(const GpuosTask* t) {
     const int64_t bytes = w.ndim == 1 && w.strides[0] == 1 ? w.numel * gpuos_dtype_size(w.dtype) : 0;
     GPUOS_ROLLED
     for (int64_t at = 128 * static_cast<int64_t>(threadIdx.x); at < bytes; at += 128 * blockDim.x)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + at));
+      gpuos_prefetch_line(p + at);
   }
   gpuos_await(t);
 }

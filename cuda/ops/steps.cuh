@@ -24,17 +24,14 @@
 /* How long feed_tokens waits for the previous step's tick (below the host's stall timeout). */
 #define GPUOS_FEED_WAIT_NS 5000000000ull
 
-__device__ __forceinline__ int gpuos_acquire_i32(const void* p) {
-  return static_cast<int>(gpuos_acquire_u32(reinterpret_cast<const unsigned int*>(p)));
-}
-
 __device__ __forceinline__ void gpuos_feed_tokens(const GpuosTask* t) {
   __shared__ int ticked;
   if (threadIdx.x == 0) {
     const int expect = gpuos_load_i32(reinterpret_cast<const char*>(t->in[3].data));
     const unsigned long long start = gpuos_now_ns();
     bool ok = false;
-    while (!(ok = gpuos_acquire_i32(reinterpret_cast<const char*>(t->in[2].data)) - expect >= 0) &&
+    const unsigned int* clock = reinterpret_cast<const unsigned int*>(t->in[2].data);
+    while (!(ok = static_cast<int>(gpuos_acquire_u32(clock)) - expect >= 0) &&
            gpuos_now_ns() - start < GPUOS_FEED_WAIT_NS)
       __nanosleep(64);
     ticked = ok;

@@ -181,13 +181,14 @@ class _Step:
     spans: tuple[Span, ...]  # per request, in order
     chooses: tuple[bool, ...]  # per request: its span ends with its last pending row (the step
     # chooses its next token; a prompt chunk before the last does not)
-    draws: tuple[int, ...]  # per request: the index of the token the step chooses
 
     def sampling(self) -> tuple[torch.Tensor, torch.Tensor]:
         """sample_tokens' params (float32) and rng (int32) rows, [requests, 3] each: a request's
-        draw depends on its seed and its token's index only, never on its batch."""
+        draw depends on its seed and its token's index only, never on its batch. Called before
+        the step is launched, while `inflight` counts the tokens chosen before this one."""
         params = torch.tensor([r.sampling_row() for r in self.requests], dtype=torch.float32)
-        rng = rng_rows([r.seed for r in self.requests], list(self.draws))
+        draws = [len(r.generated) + r.inflight for r in self.requests]
+        rng = rng_rows([r.seed for r in self.requests], draws)
         return params.reshape(-1, 3), rng
 
 
@@ -471,8 +472,7 @@ class Engine:
             budget -= len(take)
         if not requests:
             return None
-        draws = tuple(len(r.generated) + r.inflight for r in requests)
-        return _Step(tuple(requests), tuple(spans), tuple(chooses), draws)
+        return _Step(tuple(requests), tuple(spans), tuple(chooses))
 
     # -- the forward ---------------------------------------------------------------------------
     def _launch(self, step: _Step) -> Launched:
