@@ -655,13 +655,13 @@ def test_a_swap_whose_answers_turn_nan_on_some_inputs_is_rolled_back_everywhere(
     )
     swapped = client.post(
         "/admin/ops/it_watch/swap",
-        headers=ADMIN,  # NaN at 7.25 only
-        json={"expression": "A * 2 + 0 * log(abs(A - 7.25))"},
+        headers=ADMIN,  # NaN at 50.5 only: 25 sigma out, past the canary's random inputs
+        json={"expression": "A * 2 + 0 * log(abs(A - 50.5))"},
     )
     assert swapped.status_code == 200 and swapped.json()["canary"]["max_abs_deviation"] == 0.0
     fine = call(client, "it_watch", torch.tensor([1.0, 2.0])).json()
     assert fine["version"] == 2 and fine["output"]["data"] == [2.0, 4.0]
-    nan = call(client, "it_watch", torch.tensor([1.0, 7.25])).json()
+    nan = call(client, "it_watch", torch.tensor([1.0, 50.5])).json()
     assert nan["version"] == 2 and nan["output"]["data"] == [2.0, "NaN"]
     deadline = time.monotonic() + 60
     while (op := client.get("/admin/ops/it_watch", headers=ADMIN).json())["current"] != 1:

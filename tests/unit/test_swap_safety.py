@@ -66,8 +66,9 @@ def change_here(registry: ReplicaRegistry) -> Callable:
 def test_the_watch_rolls_back_a_swap_whose_answers_turn_nan(registry: ReplicaRegistry) -> None:
     rt = registry.runtime
     registry.change(lambda r: r.register("wt", "A * 2"), ChangeNote(op="wt", action="register"))
-    nan_at_7 = "A * 2 + 0 * log(abs(A - 7.25))"  # NaN at 7.25 only: passes the comparison
-    registry.change(lambda r: r.swap("wt", nan_at_7), ChangeNote(op="wt", action="swap"))
+    # NaN at 50.5 only, 25 sigma past the canary's random inputs: passes the comparison
+    nan_at_50 = "A * 2 + 0 * log(abs(A - 50.5))"
+    registry.change(lambda r: r.swap("wt", nan_at_50), ChangeNote(op="wt", action="swap"))
     rolled: list[str] = []
     watch = SwapWatch(
         registry, window_s=60, change=change_here(registry), on_rollback=rolled.append
@@ -77,7 +78,7 @@ def test_the_watch_rolls_back_a_swap_whose_answers_turn_nan(registry: ReplicaReg
     async def requests() -> None:
         fine = OpCall("wt", (torch.tensor([1.0, 2.0]),))
         watch.check_result(fine, 2, rt.run("wt", *fine.inputs))  # finite: nothing happens
-        bad = OpCall("wt", (torch.tensor([1.0, 7.25]),))
+        bad = OpCall("wt", (torch.tensor([1.0, 50.5]),))
         out = rt.run("wt", *bad.inputs)
         assert math.isnan(out[1])
         watch.check_result(bad, 2, out)
