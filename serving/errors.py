@@ -135,7 +135,8 @@ STATUS: Mapping[type[BaseException], int] = {
     EngineClosedError: 503,
     DeadlineExceededError: 504,
 }
-OURS = (core.GpuosError, ServingError, HTTPException, *STATUS)  # raised on purpose: say why
+# Raised on purpose: their answers say why.
+OURS: tuple[type[BaseException], ...] = (core.GpuosError, ServingError, HTTPException, *STATUS)
 
 
 def status_of(exc: BaseException) -> int:

@@ -20,6 +20,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import pydantic
@@ -38,6 +39,7 @@ from gpuos_core.canary import Comparison
 from .coalescer import Coalescer
 from .config import ADMIN_TOKEN_ENV, AppArgs, CoalescerConfig
 from .errors import (
+    OURS,
     AdminAuthError,
     RequestTooLargeError,
     ServingError,
@@ -119,6 +121,7 @@ def build_api(replica: Services, routers: Sequence[APIRouter] = ()) -> FastAPI:
     `JsonRoute`), error handlers, body size limit."""
     api = FastAPI(title="gpuos-serve", description="Coalesced GPU micro-operations on Ray Serve")
     _install_errors(api, replica.metrics)
+    api.add_middleware(HotPaths, replica=replica)  # added first: inside BodyLimit, body read
     api.add_middleware(
         BodyLimit,
         limit=replica.args.max_body_bytes(),
@@ -134,10 +137,9 @@ def build_api(replica: Services, routers: Sequence[APIRouter] = ()) -> FastAPI:
 
 def _install_errors(api: FastAPI, metrics: ReplicaMetrics) -> None:
     async def answer(request: Request, exc: Exception) -> Response:
-        response = error_response(exc, request.url.path)
+        response = counted_error(metrics, exc, request.url.path)
         if response.status_code == 405:  # Starlette's Allow names the first route's methods only
             response.headers["Allow"] = ", ".join(_methods(api, request.url.path))
-        metrics.error(type(exc).__name__, response.status_code)
         return response
 
     # Raised on purpose: answered here. Anything else is a bug: Starlette's outermost middleware
@@ -151,6 +153,13 @@ def _install_errors(api: FastAPI, metrics: ReplicaMetrics) -> None:
         Exception,
     ):
         api.add_exception_handler(cls, answer)
+
+
+def counted_error(metrics: ReplicaMetrics, exc: BaseException, path: str) -> Response:
+    """`error_response` for `exc` on `path`, counted in the replica's error metric."""
+    response = error_response(exc, path)
+    metrics.error(type(exc).__name__, response.status_code)
+    return response
 
 
 def _methods(api: FastAPI, path: str) -> list[str]:
@@ -223,6 +232,66 @@ def _content_length(scope: Scope) -> int:
         if key == b"content-length":
             return int(value) if value.isdigit() else 0
     return 0
+
+
+class HotPaths:
+    """ASGI middleware for the data plane: POST /v1/ops/{op} and POST /v1/batch with a JSON body
+    go straight to their answers (`op_answer`, `batch_answer`), the body validated from its bytes
+    in one pass by the route's model. FastAPI's routing, middleware, dependency solving and
+    validation of the parsed body took about 40% of such a request's time in the replica
+    (bench/NOTES.md). A body the model refuses, and any other request (these routes with another
+    content type included), goes on to the app, where these routes are declared: FastAPI answers
+    it as it always has."""
+
+    def __init__(self, app: ASGIApp, replica: Services) -> None:
+        self.app, self.replica = app, replica
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        hot = _hot_route(scope)
+        if hot is None:
+            await self.app(scope, receive, send)
+            return
+        model, answer = hot
+        message = await receive()  # BodyLimit, outside, hands the whole body over at once
+        body = message.get("body", b"")
+        try:
+            request = (
+                model.model_validate_json(body)
+                if len(body) < INLINE_JSON_BYTES
+                else await asyncio.to_thread(model.model_validate_json, body)
+            )
+        except pydantic.ValidationError:  # rare: the route's own words for what is wrong
+            await self.app(scope, _replay(body, receive), send)
+            return
+        try:
+            response = await answer(self.replica, request)
+        except OURS as exc:  # anything else is a bug: the app's outermost middleware answers it
+            response = counted_error(self.replica.metrics, exc, scope["path"])
+        await response(scope, receive, send)
+
+
+HotRoute = tuple[type[Any], Callable[[Services, Any], Awaitable[Response]]]
+
+
+def _hot_route(scope: Scope) -> HotRoute | None:
+    """(body model, answer) of a data-plane request HotPaths takes: a POST with a JSON body (or
+    no content type, which FastAPI reads as JSON too) to /v1/ops/{op} or /v1/batch."""
+    if scope["type"] != "http" or scope["method"] != "POST" or not _json_content(scope):
+        return None
+    path = scope["path"].removeprefix(scope.get("root_path", ""))
+    if path == "/v1/batch":
+        return BatchRequest, batch_answer
+    op = path.removeprefix("/v1/ops/")
+    if op != path and op and "/" not in op:
+        return OpRequest, partial(op_answer, op=op)
+    return None
+
+
+def _json_content(scope: Scope) -> bool:
+    for key, value in scope["headers"]:
+        if key == b"content-type":
+            return value.partition(b";")[0].strip().lower() == b"application/json"
+    return True
 
 
 class _JsonRequest(Request):
@@ -305,10 +374,7 @@ def _inference_routes(replica: Services) -> APIRouter:
         """Run `op` on the given tensors, coalesced with concurrent requests into one submission.
         404 unknown op, 413 too many elements (inputs or result), 422 inputs that do not fit,
         500 the task failed, 503 queue full (retry after Retry-After), 504 deadline passed."""
-        budgets = request_budgets(replica.args.max_elements)
-        answer = await _run_call(replica, op, body, budgets)
-        # Written once here: FastAPI would validate and convert the result twice more.
-        return await json_answer({**answer, "replica": replica.replica_id}, budgets.results.used)
+        return await op_answer(replica, body, op)
 
     @router.post(
         "/batch",
@@ -324,13 +390,7 @@ def _inference_routes(replica: Services) -> APIRouter:
         status: one failing call fails no other. The calls' inputs together, and their results
         together, may have at most max_elements elements, as one call's may (a call past that
         gets 413). 413 a body over the limit, 422 a body the schema refuses (whole)."""
-        budgets = request_budgets(replica.args.max_elements)
-        results = await asyncio.gather(
-            *(_batch_entry(replica, call, budgets) for call in body.calls)
-        )
-        return await json_answer(
-            {"results": results, "replica": replica.replica_id}, budgets.results.used
-        )
+        return await batch_answer(replica, body)
 
     @router.get("/stats")
     async def stats() -> StatsResponse:
@@ -339,6 +399,23 @@ def _inference_routes(replica: Services) -> APIRouter:
         return StatsResponse(replicas=replicas, total=stats_total(replicas))
 
     return router
+
+
+async def op_answer(replica: Services, body: OpRequest, op: str) -> Response:
+    """POST /v1/ops/{op}'s answer (HotPaths and the route both call it)."""
+    budgets = request_budgets(replica.args.max_elements)
+    answer = await _run_call(replica, op, body, budgets)
+    # Written once here: FastAPI would validate and convert the result twice more.
+    return await json_answer({**answer, "replica": replica.replica_id}, budgets.results.used)
+
+
+async def batch_answer(replica: Services, body: BatchRequest) -> Response:
+    """POST /v1/batch's answer (HotPaths and the route both call it)."""
+    budgets = request_budgets(replica.args.max_elements)
+    results = await asyncio.gather(*(_batch_entry(replica, call, budgets) for call in body.calls))
+    return await json_answer(
+        {"results": results, "replica": replica.replica_id}, budgets.results.used
+    )
 
 
 async def _run_call(
