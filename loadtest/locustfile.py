@@ -18,7 +18,9 @@ Environment: GPUOS_ADMIN_TOKEN (StormAdmin, and StormUser's look-ups of version 
 GPUOS_STORM_OP (the storm operator's name, default storm_affine), GPUOS_LOAD_MODEL (CompletionUser's
 model when GET /v1/models fails; unset, that failure stops the run). CompletionUser's options:
 --max-tokens (16), --stream-fraction (0.5), --tokens-out (a JSON file for the token counts).
-MicroOpUser's and StormUser's: --encoding (list), --check (values).
+MicroOpUser's and StormUser's: --encoding (list), --check (values). MicroOpUser's and
+CompletionUser's: --shed-ok (a 503 with Retry-After or a 504 is load shed as the API promises, not
+a failure: reported under its own entry, "shed 503" or "shed 504"; loadtest/soak.py uses it).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from loadtest.completions import (
     model_id,
 )
 from loadtest.launch import ENCODINGS
+from loadtest.statuses import shed, status_problem
 from loadtest.storm import EXPRESSIONS, STORM_OP, admin_headers, affine_versions, ensure_registered
 
 ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
@@ -98,15 +101,6 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def status_problem(response: Any) -> str | None:
-    """None for a 200; else "HTTP <status>: " and the start of the body (or the connection error,
-    status 0)."""
-    if response.status_code == 200:
-        return None
-    detail = response.text or getattr(response, "error", "")
-    return f"HTTP {response.status_code}: {str(detail)[:200]}"
-
-
 def mismatch(body: dict[str, Any], want: np.ndarray, check: str = "values") -> str | None:
     """Why `body` (an OpResponse) is not `want` (only its shape for `check` "shape"), or None
     when it matches."""
@@ -131,6 +125,7 @@ class CheckedUser(FastHttpUser):
         options = self.environment.parsed_options
         self.encoding: str = options.encoding if options else "list"
         self.check: str = options.check if options else "values"
+        self.shed_ok: bool = options.shed_ok if options else False
 
     def mismatch(self, body: dict[str, Any], want: np.ndarray) -> str | None:
         """`mismatch` under this run's --check."""
@@ -147,6 +142,8 @@ class CheckedUser(FastHttpUser):
         with self.client.post(
             f"/v1/ops/{op}", json=payload, name=name or f"/v1/ops/{op}", catch_response=True
         ) as response:
+            if self.shed_ok and shed(response):
+                return
             if problem := status_problem(response):
                 response.failure(problem)
                 return
@@ -258,6 +255,7 @@ class CompletionUser(HttpUser):
         options = self.environment.parsed_options
         self.max_tokens: int = options.max_tokens
         self.stream_fraction: float = options.stream_fraction
+        self.shed_ok: bool = options.shed_ok
         self.model = GENERATED.model = self.find_model()
 
     def find_model(self) -> str:
@@ -305,6 +303,8 @@ class CompletionUser(HttpUser):
         with self.client.post(
             "/v1/completions", json=body, name=COMPLETION, catch_response=True
         ) as response:
+            if self.shed_ok and shed(response):
+                return
             problem = status_problem(response)
             if not problem:
                 try:
@@ -325,6 +325,8 @@ class CompletionUser(HttpUser):
         with self.client.post(
             "/v1/completions", json=body, name=STREAM, stream=True, catch_response=True
         ) as response:
+            if self.shed_ok and shed(response):
+                return
             problem = status_problem(response)
             content_type = response.headers.get("content-type", "")
             if not problem and not content_type.startswith("text/event-stream"):
@@ -373,7 +375,7 @@ def completion_options(parser: Any) -> None:
 
 @events.init_command_line_parser.add_listener
 def micro_options(parser: Any) -> None:
-    """MicroOpUser's and StormUser's options."""
+    """MicroOpUser's and StormUser's options (--shed-ok: CompletionUser's too)."""
     parser.add_argument(
         "--encoding",
         choices=ENCODINGS,
@@ -385,6 +387,12 @@ def micro_options(parser: Any) -> None:
         choices=CHECKS,
         default="values",
         help="what operator answers are checked for (shape: for an echo server)",
+    )
+    parser.add_argument(
+        "--shed-ok",
+        action="store_true",
+        help="MicroOpUser, CompletionUser: a 503 with Retry-After or a 504 is no failure "
+        "(its own entry, 'shed <status>')",
     )
 
 

@@ -1,6 +1,7 @@
 """What the load tests' numbers rest on: the ingress they ask for is the one they get (or they say
-why not), and the @serve.batch baseline's concatenated torch calls give each request its own
-result."""
+why not), the @serve.batch baseline's concatenated torch calls give each request its own result,
+the soak counts only promised load shedding as shed, and its memory figures follow each replica
+process across a kill."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 from gpuos_core import OpCall
 from loadtest.baselines import grouped, reference, run_group
 from loadtest.launch import HAPROXY_ENV, ingress_env
+from loadtest.soak import Sample, memory_summary
+from loadtest.statuses import SHED, shed
 
 
 def test_haproxy_is_turned_on_only_where_the_program_exists(
@@ -44,3 +47,59 @@ def test_the_serve_batch_baseline_concatenates_only_calls_that_line_up() -> None
     for members in groups:
         for i, out in zip(members, run_group([calls[i] for i in members])):
             torch.testing.assert_close(out, reference(calls[i]))
+
+
+class _Answer:
+    """What `shed` reads and writes of a Locust response."""
+
+    def __init__(self, status: int, headers: dict[str, str]) -> None:
+        self.status_code, self.headers = status, headers
+        self.request_meta = {"name": "/v1/ops/softmax"}
+        self.succeeded = False
+
+    def success(self) -> None:
+        self.succeeded = True
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "is_shed"),
+    [
+        (503, {"Retry-After": "1"}, True),
+        (504, {}, True),
+        (503, {}, False),  # a 503 that does not say when to come back is a failure
+        (500, {"Retry-After": "1"}, False),
+        (429, {}, False),
+        (200, {}, False),
+    ],
+)
+def test_only_the_promised_load_shedding_counts_as_shed(
+    status: int, headers: dict[str, str], is_shed: bool
+) -> None:
+    answer = _Answer(status, headers)
+    assert shed(answer) is is_shed
+    assert answer.succeeded is is_shed
+    assert answer.request_meta["name"] == (f"{SHED} {status}" if is_shed else "/v1/ops/softmax")
+
+
+def test_soak_memory_follows_each_replica_process_across_a_kill() -> None:
+    samples = [
+        Sample(0.0, {1: 900.0, 2: 900.0}, {1: 5000.0}, 9000.0),  # before --settle: start-up
+        Sample(60.0, {1: 400.0, 2: 410.0}, {1: 700.0, 2: 700.0}, 1500.0),
+        Sample(120.0, {1: 405.0, 2: 420.0}, {1: 700.0, 2: 700.0}, 1500.0),  # 1 killed after
+        Sample(180.0, {2: 425.0, 3: 380.0}, {2: 700.0, 3: 690.0}, 1490.0),
+        Sample(240.0, {2: 430.0, 3: 400.0}, {2: 700.0, 3: 700.0}, 1500.0),
+    ]
+    summary = memory_summary(samples, settle_s=60.0)
+    replicas = summary["replicas"]
+    assert isinstance(replicas, dict)
+    assert replicas["1"] == {
+        "from_s": 60.0,
+        "to_s": 120.0,
+        "rss_mb_start": 400.0,
+        "rss_mb_end": 405.0,
+        "gpu_mb_start": 700.0,
+        "gpu_mb_end": 700.0,
+    }
+    assert (replicas["2"]["rss_mb_start"], replicas["2"]["rss_mb_end"]) == (410.0, 430.0)
+    assert (replicas["3"]["from_s"], replicas["3"]["rss_mb_start"]) == (180.0, 380.0)
+    assert (summary["gpu_used_mb_start"], summary["gpu_used_mb_end"]) == (1500.0, 1500.0)
