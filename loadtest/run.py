@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -205,6 +205,17 @@ def target_app(args: argparse.Namespace, out: Path) -> Iterator[Target]:
         finally:  # the app is someone else's: leave its coalescer as it was
             put_coalescer(target, knobs)
         return
+    with started_app(args, out) as target:
+        yield target
+
+
+@contextmanager
+def started_app(
+    args: argparse.Namespace, out: Path, deployment: Mapping[str, object] | None = None
+) -> Iterator[Target]:
+    """The app of --config with --backend behind --ingress, `deployment` merged into its
+    deployment's options, on a fresh registry with a random admin token (log and config in
+    `out`), for the duration of the block."""
     token = secrets.token_urlsafe(16)
     ingress, env = ingress_env(args.ingress)
     with (
@@ -214,6 +225,7 @@ def target_app(args: argparse.Namespace, out: Path) -> Iterator[Target]:
             out,
             {"backend": args.backend, "state_dir": state, "admin_token": token},
             env=env,
+            deployment=deployment,
         ) as app,
     ):
         yield Target(app.url, token, ingress)

@@ -26,11 +26,9 @@ import argparse
 import csv
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -40,7 +38,7 @@ from pathlib import Path
 import psutil
 
 from loadtest.completions import MEASURES
-from loadtest.launch import ENCODINGS, INGRESSES, REPO, ingress_env, served
+from loadtest.launch import ENCODINGS, INGRESSES, REPO
 from loadtest.run import (
     Target,
     describe,
@@ -48,6 +46,7 @@ from loadtest.run import (
     locust_entries,
     report_dir,
     request_stats,
+    started_app,
 )
 from loadtest.statuses import SHED
 
@@ -129,19 +128,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out = report_dir(args.out, "soak")
-    ingress, env = ingress_env(args.ingress)
-    token = secrets.token_urlsafe(16)
-    with (
-        tempfile.TemporaryDirectory(prefix="gpuos-soak-") as state,
-        served(
-            args.config,
-            out,
-            {"backend": args.backend, "state_dir": state, "admin_token": token},
-            env=env,
-            deployment=deployment_options(args),
-        ) as app,
-    ):
-        target = Target(app.url, token, ingress)
+    with started_app(args, out, deployment_options(args)) as target:
         wait_for_replicas(args.replicas)
         samples, kill = soak(target, args, out / "soak")
         environment = describe(target)
