@@ -3,12 +3,15 @@ sampling; the step's inputs in one int32 device buffer that the host rewrites wi
 
 Rows of a step (its `Layout`): rows 0..decode-1 are one per KV slot 0..decode-1 (a request with
 one row this step sits at its slot's row; the others idle: token -1, no KV write, KV length 0),
-then the rows of each longer span (prefill chunks), in order. Logits rows: every decode row, then
-each prefill span's last row. A program depends only on its layout (the decode-row count, and
-each prefill span's row count), so steady decoding reuses one program per power-of-two count of
-decode rows, and prefill chunks of the same sizes reuse one whatever their slots: a prefill
-span's attention reads its slot's keys and values through addresses each step rebinds
-(`Program.rebind`).
+then a group of rows per longer span (prefill chunks), largest first. A group has `padded(n)`
+rows for a span of n tokens: idle rows, then the span's tokens, so its last row is the span's
+last. Logits rows: every decode row, then each group's last row. A program depends only on its
+layout (the decode-row count, and the sizes of the groups), so steady decoding reuses one
+program per power-of-two count of decode rows, and prefill chunks of nearby sizes, in any order,
+reuse one whatever their slots: a prefill span's attention reads its slot's keys and values
+through addresses each step rebinds (`Program.rebind`). A program build takes ~0.2 s on the H200
+(the step waits for it), and a group's idle rows cost little: below a few hundred rows a
+linear's time is the weights' read, whatever the row count.
 
 What changes per step (token ids, positions, KV rows and lengths, sampling parameters and
 Philox counters) lives in `StepInputs`; operator versions resolve at each submit, so a hot swap
@@ -45,12 +48,21 @@ def fed(pick: int) -> int:
     return -2 - pick
 
 
+def padded(n: int) -> int:
+    """Rows of the group of a prefill span of `n` (>= 2) tokens: a power of two up to 16, then a
+    multiple of 16 up to 128, of 64 up to 512, of 128 beyond."""
+    if n <= 16:
+        return 1 << (n - 1).bit_length()
+    step = 16 if n <= 128 else 64 if n <= 512 else 128
+    return -(-n // step) * step
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where a step's spans sit: see the module docstring."""
 
     decode: int  # rows 0..decode-1: KV slots 0..decode-1
-    prefill: tuple[int, ...]  # per longer span: its rows
+    prefill: tuple[int, ...]  # per group of a longer span, largest first: its rows
 
     @classmethod
     def of(cls, spans: Sequence[Span], slots: int) -> Layout:
@@ -58,7 +70,7 @@ class Layout:
         (at most `slots`), so that a request joining or leaving rarely needs a new program."""
         singles = [s.slot for s in spans if len(s.tokens) == 1]
         decode = min(1 << math.ceil(math.log2(max(singles) + 1)), slots) if singles else 0
-        return cls(decode, tuple(len(s.tokens) for s in spans if len(s.tokens) > 1))
+        return cls(decode, tuple(padded(len(spans[i].tokens)) for i in prefill_order(spans)))
 
     @property
     def rows(self) -> int:
@@ -70,20 +82,24 @@ class Layout:
         return self.decode + len(self.prefill)
 
     def places(self, spans: Sequence[Span]) -> list[tuple[int, int]]:
-        """Per span (in the order `of` saw them): its first row and its logits row."""
-        first, pick, out = self.decode, self.decode, []
-        for s in spans:
-            if len(s.tokens) == 1:
-                out.append((s.slot, s.slot))
-            else:
-                out.append((first, pick))
-                first, pick = first + len(s.tokens), pick + 1
+        """Per span (in the order given): its first row and its logits row."""
+        out = [(s.slot, s.slot) for s in spans]  # decode spans; prefill ones overwritten below
+        rows = self.picked_rows()
+        for pick, i in enumerate(prefill_order(spans), start=self.decode):
+            out[i] = (rows[pick] + 1 - len(spans[i].tokens), pick)
         return out
 
     def picked_rows(self) -> list[int]:
-        """The row of each logits row: decode rows themselves, then each prefill span's last."""
+        """The row of each logits row: decode rows themselves, then each group's last."""
         ends = np.cumsum(self.prefill, dtype=np.int64) + self.decode - 1
         return list(range(self.decode)) + ends.tolist()
+
+
+def prefill_order(spans: Sequence[Span]) -> list[int]:
+    """The indices of `spans`' prefill spans (over one token) in the order of their groups:
+    largest group first, then as given."""
+    longer = [i for i, s in enumerate(spans) if len(s.tokens) > 1]
+    return sorted(longer, key=lambda i: -padded(len(spans[i].tokens)))
 
 
 class StepInputs:
@@ -370,7 +386,7 @@ class StepProgram:
         places = np.array(self.layout.places(spans), dtype=np.int64).reshape(-1, 2)
         self.inputs.write(spans, places, self.max_len, params, rng, expect)
         if self.binding is not None:
-            slots = np.array([s.slot for s in spans if len(s.tokens) > 1], dtype=np.uint64)
+            slots = np.array([spans[i].slot for i in prefill_order(spans)], dtype=np.uint64)
             self.program.rebind(self.binding, slots * np.uint64(self.slot_bytes))
         batch = rt.submit(self.program)
         picks = places[:, 1].tolist()

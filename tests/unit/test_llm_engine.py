@@ -15,6 +15,7 @@ import torch
 
 from gpuos_core import Runtime
 from serving.llm import ByteTokenizer, Model, create_tiny_model, forward_tokens, load_model
+from serving.llm.device_step import Layout
 from serving.llm.engine import (
     Engine,
     EngineConfig,
@@ -117,6 +118,34 @@ def test_engine_logits_equal_transformers(model_dir: Path, runtime: Runtime) -> 
             with torch.no_grad():
                 expected = hf(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1 :]
             torch.testing.assert_close(torch.stack(logits), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        engine.close()
+
+
+def test_prefill_chunks_of_nearby_sizes_in_any_order_share_a_program(
+    model_dir: Path, runtime: Runtime
+) -> None:
+    """A prefill span takes a group of padded rows (idle ones first), groups largest first: steps
+    of spans of 5 and 12 tokens, of 11 and 7, and of 6 and 13 run on one layout, (16, 8), one
+    program per parity, and each span gives the reference forward's logits."""
+    model = device_model(model_dir, runtime)
+    engine = start(model, runtime, max_running=4)
+    try:
+        forward = engine._forward
+        assert isinstance(forward, _ProgramForward)
+        greedy, rng = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int32)
+        for seed, (slots, lengths) in enumerate(
+            [((0, 1), [5, 12]), ((2, 3), [11, 7]), ((1, 0), [6, 13])]
+        ):
+            batch = prompts(lengths, seed=seed)
+            spans = [Span(slot, 0, tuple(p)) for slot, p in zip(slots, batch)]
+            logits = forward.start(spans, greedy, rng, keep_logits=True).result().logits
+            assert logits is not None
+            for row, prompt in zip(logits, batch):
+                tokens = torch.tensor(prompt, device=runtime.device)
+                want = forward_tokens(model, tokens)[-1].float().cpu()
+                torch.testing.assert_close(row, want, rtol=1e-4, atol=1e-4)
+        assert [layout for layout, _ in forward._programs] == [Layout(0, (16, 8))] * 2
     finally:
         engine.close()
 
