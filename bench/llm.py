@@ -449,7 +449,8 @@ def engine_rows(
     """Append the engine's row of each R (the median of `reps` runs, after an untimed one)."""
     for r in streams:
         batch = prompts(r, prompt)
-        engine_run(engine, way, batch, 2, reference)  # builds this R's step programs
+        for _ in range(2):  # prefill then two decode steps, twice: each of this R's layouts
+            engine_run(engine, way, batch, 3, reference)  # built for both parities (StepChain)
         rows.append(
             median_run([engine_run(engine, way, batch, new, reference) for _ in range(reps)])
         )
