@@ -10,7 +10,8 @@ loadtest/baselines.py (`torch` per request, `serve-batch`, `echo`), each with --
 and the same replica limits. For each user count: --warmup seconds of unrecorded load, then
 --duration seconds of Locust (headless, MicroOpUser, tensors as --encoding; the echo's answers are
 checked for their shape only). Writes compare.json (environment, one row per configuration and
-user count: RPS, p50/p99, failures, mean batch size from /v1/stats, `ratio_vs_serve_batch`, and a
+user count: RPS, p50/p99, failures, mean batch size from /v1/stats, `ratio_vs_serve_batch`, the
+CPU cores Locust and the replicas kept busy (is the load generator the bound?), and a
 `summary` of ours at 64 users) and compare.md (the table) into --out, with Locust's CSVs and each
 instance's log beside them. Needs no network. Exits 1 when any request failed.
 """
@@ -22,9 +23,11 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import resource
 import secrets
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +36,15 @@ from typing import Any
 import yaml
 
 from loadtest.baselines import DEPLOYMENT, KINDS
-from loadtest.launch import ENCODINGS, INGRESSES, REPO, ingress_env, served
+from loadtest.launch import (
+    ENCODINGS,
+    INGRESSES,
+    REPO,
+    cpu_seconds,
+    ingress_env,
+    replica_pids,
+    served,
+)
 from loadtest.run import (
     Target,
     describe,
@@ -63,6 +74,10 @@ class Row:
     p50_ms: float
     p99_ms: float
     mean_batch_size: float  # requests per torch call or runtime submission (0: the echo's none)
+    # CPU cores busy over the run (CPU seconds / seconds): Locust (all its processes) and the
+    # replicas; Locust near its process count means the load, not the app, set the pace
+    locust_cores: float
+    replica_cores: float
     ratio_vs_serve_batch: float | None  # rps / serve-batch's rps at the same users
 
 
@@ -162,7 +177,12 @@ def measure(
         locust(target, users, args.warmup, out / config / "warmup" / f"{users}u", options)
     before = total_stats(target)
     prefix = out / config / f"{users}u"
+    replicas = replica_pids()
+    cpu = (children_cpu_seconds(), cpu_seconds(replicas), time.perf_counter())
     locust(target, users, args.duration, prefix, options)
+    wall = time.perf_counter() - cpu[2]
+    locust_cores = (children_cpu_seconds() - cpu[0]) / wall
+    replica_cores = (cpu_seconds(replicas) - cpu[1]) / wall
     after = total_stats(target)
     total = request_stats(*locust_entries(prefix))
     batches, tasks = after["batches"] - before["batches"], after["tasks"] - before["tasks"]
@@ -175,7 +195,15 @@ def measure(
         "p50_ms": total.p50_ms,
         "p99_ms": total.p99_ms,
         "mean_batch_size": tasks / batches if batches else 0.0,
+        "locust_cores": locust_cores,
+        "replica_cores": replica_cores,
     }
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's finished children (Locust, and the workers it waited for)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def with_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -249,15 +277,16 @@ def table(rows: Sequence[dict[str, Any]], env: dict[str, Any]) -> str:
         f"tensors, {env['replicas']} replica(s), {env['gpu'] or 'CPU'}, commit "
         f"{env['commit']})",
         "",
-        "| config | users | req/s | p50 ms | p99 ms | failures | mean batch | vs @serve.batch |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| config | users | req/s | p50 ms | p99 ms | failures | mean batch | vs @serve.batch "
+        "| Locust cores | replica cores |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         ratio = "" if r["ratio_vs_serve_batch"] is None else f"{r['ratio_vs_serve_batch']:.2f}x"
         lines.append(
             f"| {r['config']} | {r['users']} | {r['rps']:.0f} | {r['p50_ms']:.0f} | "
             f"{r['p99_ms']:.0f} | {r['failures']} | {r['mean_batch_size']:.1f} | "
-            f"{ratio} |"
+            f"{ratio} | {r['locust_cores']:.2f} | {r['replica_cores']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

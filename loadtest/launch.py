@@ -23,15 +23,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import requests
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+REPLICAS = "ServeReplica:"  # how Ray titles a Serve replica's process: ServeReplica:<app>:<name>
 INGRESSES = ("proxy", "haproxy")
 ENCODINGS = ("list", "b64")  # how load users send tensors (serving.schemas.Encoding)
 HAPROXY_ENV = {
@@ -195,3 +197,24 @@ def _answers_200(url: str) -> bool:
         return requests.get(url, timeout=5).status_code == 200
     except requests.RequestException:
         return False
+
+
+def replica_pids(title: str = REPLICAS) -> list[int]:
+    """The processes on this host whose title (Ray's, in their command line) holds `title`."""
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        if title in " ".join(process.info["cmdline"] or ()):
+            found.append(process.info["pid"])
+    return sorted(found)
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User and system CPU seconds the processes `pids` have used (those gone count 0)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total

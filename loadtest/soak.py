@@ -38,7 +38,7 @@ from pathlib import Path
 import psutil
 
 from loadtest.completions import MEASURES
-from loadtest.launch import ENCODINGS, INGRESSES, REPO
+from loadtest.launch import ENCODINGS, INGRESSES, REPLICAS, REPO, replica_pids
 from loadtest.run import (
     Target,
     describe,
@@ -50,7 +50,7 @@ from loadtest.run import (
 )
 from loadtest.statuses import SHED
 
-REPLICA_TITLE = "ServeReplica:gpuos:GpuosIngress"  # Ray's process title of this app's replicas
+REPLICA_TITLE = f"{REPLICAS}gpuos:GpuosIngress"  # this app's replicas' processes
 SHED_PREFIX = f"{SHED} "  # the locustfile's entries of shed answers: "shed 503", "shed 504"
 USERS = ("MicroOpUser", "CompletionUser")
 
@@ -150,7 +150,7 @@ def deployment_options(args: argparse.Namespace) -> dict[str, object]:
 def wait_for_replicas(count: int, timeout_s: float = 300.0) -> None:
     """Until `count` replica processes run (the app answers once the first is up)."""
     deadline = time.monotonic() + timeout_s
-    while len(replica_pids()) < count:
+    while len(replica_pids(REPLICA_TITLE)) < count:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{count} replicas not running after {timeout_s:.0f} s")
         time.sleep(1.0)
@@ -187,18 +187,9 @@ def soak(
     return samples, kill
 
 
-def replica_pids() -> list[int]:
-    """This app's replica processes on this host."""
-    found = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        if REPLICA_TITLE in " ".join(process.info["cmdline"] or ()):
-            found.append(process.info["pid"])
-    return sorted(found)
-
-
 def kill_one(now: float) -> Kill:
     """SIGKILL the first replica process: a crash, no graceful shutdown."""
-    pid = replica_pids()[0]
+    pid = replica_pids(REPLICA_TITLE)[0]
     os.kill(pid, signal.SIGKILL)
     return Kill(at_s=now, pid=pid)
 
@@ -206,7 +197,7 @@ def kill_one(now: float) -> Kill:
 def memory_sample(now: float) -> Sample:
     """Every replica's RSS and, with nvidia-smi, its GPU memory and the GPU's total."""
     rss = {}
-    for pid in replica_pids():
+    for pid in replica_pids(REPLICA_TITLE):
         try:
             rss[pid] = psutil.Process(pid).memory_info().rss / 2**20
         except psutil.NoSuchProcess:  # killed or replaced between the listing and now
