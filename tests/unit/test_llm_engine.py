@@ -73,6 +73,13 @@ def reference_logits(model: Model, prompt: list[int], generated: list[int]) -> t
     return forward_tokens(model, sequence)[len(prompt) - 1 :].float().cpu()
 
 
+def assert_last_row_logits(model: Model, prompt: list[int], row: torch.Tensor) -> None:
+    """`row` is the reference forward's logits of `prompt`'s last token."""
+    tokens = torch.tensor(prompt, device=model.weights.embed.device)
+    want = forward_tokens(model, tokens)[-1].float().cpu()
+    torch.testing.assert_close(row, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("micro_ops", ["runtime", "torch"])
 def test_engine_logits_equal_the_reference_forward(
     model_dir: Path, runtime: Runtime, micro_ops: str
@@ -122,34 +129,6 @@ def test_engine_logits_equal_transformers(model_dir: Path, runtime: Runtime) -> 
         engine.close()
 
 
-def test_prefill_chunks_of_nearby_sizes_in_any_order_share_a_program(
-    model_dir: Path, runtime: Runtime
-) -> None:
-    """A prefill span takes a group of padded rows (idle ones first), groups largest first: steps
-    of spans of 5 and 12 tokens, of 11 and 7, and of 6 and 13 run on one layout, (16, 8), one
-    program per parity, and each span gives the reference forward's logits."""
-    model = device_model(model_dir, runtime)
-    engine = start(model, runtime, max_running=4)
-    try:
-        forward = engine._forward
-        assert isinstance(forward, _ProgramForward)
-        greedy, rng = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int32)
-        for seed, (slots, lengths) in enumerate(
-            [((0, 1), [5, 12]), ((2, 3), [11, 7]), ((1, 0), [6, 13])]
-        ):
-            batch = prompts(lengths, seed=seed)
-            spans = [Span(slot, 0, tuple(p)) for slot, p in zip(slots, batch)]
-            logits = forward.start(spans, greedy, rng, keep_logits=True).result().logits
-            assert logits is not None
-            for row, prompt in zip(logits, batch):
-                tokens = torch.tensor(prompt, device=runtime.device)
-                want = forward_tokens(model, tokens)[-1].float().cpu()
-                torch.testing.assert_close(row, want, rtol=1e-4, atol=1e-4)
-        assert [layout for layout, _ in forward._programs] == [Layout(0, (16, 8))] * 2
-    finally:
-        engine.close()
-
-
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, runtime: Runtime) -> Iterator[Engine]:
     engine = start(device_model(model_dir, runtime), runtime, max_running=2, max_waiting=8)
@@ -157,24 +136,38 @@ def engine(model_dir: Path, runtime: Runtime) -> Iterator[Engine]:
     engine.close()
 
 
-def test_a_prefill_program_serves_its_layout_in_any_slot(model_dir: Path, runtime: Runtime) -> None:
-    """Prefill programs are keyed by their spans' sizes, not slots: three prompts of one length in
-    slots 2, 0 and 3 run on one program per parity, the third on the first's rebound to slot 3,
-    and each gives the reference forward's logits."""
+@pytest.mark.parametrize(
+    ("steps", "layout"),
+    [
+        # one length in slots 2, 0 and 3: the third step on the first's program, rebound
+        ([((2,), [6]), ((0,), [6]), ((3,), [6])], Layout(0, (8,))),
+        # nearby lengths in any order: groups padded to 16 and 8 rows, largest first
+        ([((0, 1), [5, 12]), ((2, 3), [11, 7]), ((1, 0), [6, 13])], Layout(0, (16, 8))),
+    ],
+)
+def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
+    model_dir: Path,
+    runtime: Runtime,
+    steps: list[tuple[tuple[int, ...], list[int]]],
+    layout: Layout,
+) -> None:
+    """Prefill programs are keyed by their groups' padded sizes (idle rows first in a group), not
+    by slots or the spans' order: every step runs on one program per parity, and each span gives
+    the reference forward's logits."""
     model = device_model(model_dir, runtime)
     engine = start(model, runtime, max_running=4)
     try:
         forward = engine._forward
         assert isinstance(forward, _ProgramForward)
-        greedy, rng = torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.int32)
-        for slot, prompt in zip((2, 0, 3), prompts([6, 6, 6], seed=5)):
-            run = forward.start([Span(slot, 0, tuple(prompt))], greedy, rng, keep_logits=True)
-            logits = run.result().logits
+        for seed, (slots, lengths) in enumerate(steps):
+            batch = prompts(lengths, seed=seed)
+            spans = [Span(slot, 0, tuple(p)) for slot, p in zip(slots, batch)]
+            greedy, rng = torch.zeros(len(spans), 3), torch.zeros(len(spans), 3, dtype=torch.int32)
+            logits = forward.start(spans, greedy, rng, keep_logits=True).result().logits
             assert logits is not None
-            tokens = torch.tensor(prompt, device=runtime.device)
-            want = forward_tokens(model, tokens)[-1].float().cpu()
-            torch.testing.assert_close(logits[0], want, rtol=1e-4, atol=1e-4)
-        assert len(forward._programs) == 2  # one layout, two parities
+            for row, prompt in zip(logits, batch):
+                assert_last_row_logits(model, prompt, row)
+        assert [key[0] for key in forward._programs] == [layout] * 2
     finally:
         engine.close()
 
