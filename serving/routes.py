@@ -239,9 +239,9 @@ class HotPaths:
     go straight to their answers (`op_answer`, `batch_answer`), the body validated from its bytes
     in one pass by the route's model. FastAPI's routing, middleware, dependency solving and
     validation of the parsed body took 11 of the 24 points of replica samples such requests
-    spent under Serve's wrapper (py-spy, bench/NOTES.md). A body the model refuses, and any other request (these routes with another
-    content type included), goes on to the app, where these routes are declared: FastAPI answers
-    it as it always has."""
+    spent under Serve's wrapper (py-spy, bench/NOTES.md). A body the model refuses, and any
+    other request (these routes with another content type included), goes on to the app, where
+    these routes are declared: FastAPI answers it as it always has."""
 
     def __init__(self, app: ASGIApp, replica: Services) -> None:
         self.app, self.replica = app, replica
