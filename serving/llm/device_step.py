@@ -69,8 +69,14 @@ class Layout:
         """The layout of `spans` in a pool of `slots`: decode rows rounded up to a power of two
         (at most `slots`), so that a request joining or leaving rarely needs a new program."""
         singles = [s.slot for s in spans if len(s.tokens) == 1]
-        decode = min(1 << math.ceil(math.log2(max(singles) + 1)), slots) if singles else 0
+        decode = decode_rows(max(singles) + 1, slots) if singles else 0
         return cls(decode, tuple(padded(len(spans[i].tokens)) for i in prefill_order(spans)))
+
+    @classmethod
+    def decoding(cls, slots: int) -> list[Layout]:
+        """Every layout of a step with decode rows only, in a pool of `slots`."""
+        counts = {decode_rows(1 << k, slots) for k in range(math.ceil(math.log2(slots)) + 1)}
+        return [cls(rows, ()) for rows in sorted(counts)]
 
     @property
     def rows(self) -> int:
@@ -93,6 +99,12 @@ class Layout:
         """The row of each logits row: decode rows themselves, then each group's last."""
         ends = np.cumsum(self.prefill, dtype=np.int64) + self.decode - 1
         return list(range(self.decode)) + ends.tolist()
+
+
+def decode_rows(used: int, slots: int) -> int:
+    """Decode rows of a step whose highest slot in use is `used` - 1: a power of two, at most
+    `slots`."""
+    return min(1 << math.ceil(math.log2(used)), slots)
 
 
 def prefill_order(spans: Sequence[Span]) -> list[int]:

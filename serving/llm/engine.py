@@ -240,8 +240,9 @@ class _TorchForward:
 
 
 class _ProgramForward:
-    """The forward as one device program on the runtime per layout of spans and parity, built on
-    first use (the last PROGRAMS kept); steps chain on the device (device_step.StepChain)."""
+    """The forward as one device program on the runtime per layout of spans and parity: decode
+    layouts built at start, others on first use (the last PROGRAMS kept); steps chain on the
+    device (device_step.StepChain)."""
 
     PROGRAMS = 32  # step programs kept (by layout and parity); the least recently used is dropped
     chains = True
@@ -258,6 +259,12 @@ class _ProgramForward:
         self.chain = StepChain(2 * kv.slots, runtime.device)
         self._programs: OrderedDict[tuple[Layout, int], StepProgram] = OrderedDict()
         self._last: Launched | None = None
+        # Decode-only steps' programs, built now: a request joining would otherwise hold every
+        # stream for two whole-program builds (a parity each), as vLLM captures its CUDA graphs
+        # per batch size at start.
+        for layout in Layout.decoding(kv.slots):
+            for parity in (0, 1):
+                self._program(layout, parity)
 
     def start(
         self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool

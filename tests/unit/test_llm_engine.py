@@ -129,6 +129,21 @@ def test_engine_logits_equal_transformers(model_dir: Path, runtime: Runtime) -> 
         engine.close()
 
 
+def test_decode_programs_are_built_at_start(model_dir: Path, runtime: Runtime) -> None:
+    """Every decode-only layout has its programs once the engine is up, so requests joining and
+    leaving never hold the streams for a decode build: generating adds prefill programs only."""
+    engine = start(device_model(model_dir, runtime), runtime, max_running=6)
+    try:
+        forward = engine._forward
+        assert isinstance(forward, _ProgramForward)
+        decoding = {(Layout(rows, ()), parity) for rows in (1, 2, 4, 6) for parity in (0, 1)}
+        assert set(forward._programs) == decoding
+        run_together(engine, prompts([3, 9, 1, 5, 7, 4]), GREEDY)
+        assert {key for key in forward._programs if not key[0].prefill} == decoding
+    finally:
+        engine.close()
+
+
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, runtime: Runtime) -> Iterator[Engine]:
     engine = start(device_model(model_dir, runtime), runtime, max_running=2, max_waiting=8)
@@ -167,7 +182,7 @@ def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
             assert logits is not None
             for row, prompt in zip(logits, batch):
                 assert_last_row_logits(model, prompt, row)
-        assert [key[0] for key in forward._programs] == [layout] * 2
+        assert [key[0] for key in forward._programs if key[0].prefill] == [layout] * 2
     finally:
         engine.close()
 
