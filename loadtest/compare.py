@@ -178,11 +178,12 @@ def measure(
     before = total_stats(target)
     prefix = out / config / f"{users}u"
     replicas = replica_pids()
-    cpu = (children_cpu_seconds(), cpu_seconds(replicas), time.perf_counter())
+    locust_cpu, replica_cpu = children_cpu_seconds(), cpu_seconds(replicas)
+    started = time.perf_counter()
     locust(target, users, args.duration, prefix, options)
-    wall = time.perf_counter() - cpu[2]
-    locust_cores = (children_cpu_seconds() - cpu[0]) / wall
-    replica_cores = (cpu_seconds(replicas) - cpu[1]) / wall
+    wall = time.perf_counter() - started
+    locust_cores = (children_cpu_seconds() - locust_cpu) / wall
+    replica_cores = (cpu_seconds(replicas) - replica_cpu) / wall
     after = total_stats(target)
     total = request_stats(*locust_entries(prefix))
     batches, tasks = after["batches"] - before["batches"], after["tasks"] - before["tasks"]

@@ -201,11 +201,8 @@ def _answers_200(url: str) -> bool:
 
 def replica_pids(title: str = REPLICAS) -> list[int]:
     """The processes on this host whose title (Ray's, in their command line) holds `title`."""
-    found = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        if title in " ".join(process.info["cmdline"] or ()):
-            found.append(process.info["pid"])
-    return sorted(found)
+    processes = psutil.process_iter(["pid", "cmdline"])
+    return sorted(p.info["pid"] for p in processes if title in " ".join(p.info["cmdline"] or ()))
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:

@@ -20,7 +20,6 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import pydantic
@@ -251,11 +250,11 @@ class HotPaths:
         if hot is None:
             await self.app(scope, receive, send)
             return
-        model, answer = hot
+        model, op = hot
         message = await receive()  # BodyLimit, outside, hands the whole body over at once
         body = message.get("body", b"")
         try:
-            request = (
+            request: OpRequest | BatchRequest = (
                 model.model_validate_json(body)
                 if len(body) < INLINE_JSON_BYTES
                 else await asyncio.to_thread(model.model_validate_json, body)
@@ -264,26 +263,27 @@ class HotPaths:
             await self.app(scope, _replay(body, receive), send)
             return
         try:
-            response = await answer(self.replica, request)
+            if isinstance(request, BatchRequest):
+                response = await batch_answer(self.replica, request)
+            else:
+                response = await op_answer(self.replica, op, request)
         except OURS as exc:  # anything else is a bug: the app's outermost middleware answers it
             response = counted_error(self.replica.metrics, exc, scope["path"])
         await response(scope, receive, send)
 
 
-HotRoute = tuple[type[Any], Callable[[Services, Any], Awaitable[Response]]]
-
-
-def _hot_route(scope: Scope) -> HotRoute | None:
-    """(body model, answer) of a data-plane request HotPaths takes: a POST with a JSON body (or
-    no content type, which FastAPI reads as JSON too) to /v1/ops/{op} or /v1/batch."""
+def _hot_route(scope: Scope) -> tuple[type[OpRequest] | type[BatchRequest], str] | None:
+    """(body model, op: "" for /v1/batch) of a data-plane request HotPaths takes: a POST with a
+    JSON body (or no content type, which FastAPI reads as JSON too) to /v1/ops/{op} or
+    /v1/batch."""
     if scope["type"] != "http" or scope["method"] != "POST" or not _json_content(scope):
         return None
     path = scope["path"].removeprefix(scope.get("root_path", ""))
     if path == "/v1/batch":
-        return BatchRequest, batch_answer
+        return BatchRequest, ""
     op = path.removeprefix("/v1/ops/")
     if op != path and op and "/" not in op:
-        return OpRequest, partial(op_answer, op=op)
+        return OpRequest, op
     return None
 
 
@@ -374,7 +374,7 @@ def _inference_routes(replica: Services) -> APIRouter:
         """Run `op` on the given tensors, coalesced with concurrent requests into one submission.
         404 unknown op, 413 too many elements (inputs or result), 422 inputs that do not fit,
         500 the task failed, 503 queue full (retry after Retry-After), 504 deadline passed."""
-        return await op_answer(replica, body, op)
+        return await op_answer(replica, op, body)
 
     @router.post(
         "/batch",
@@ -401,7 +401,7 @@ def _inference_routes(replica: Services) -> APIRouter:
     return router
 
 
-async def op_answer(replica: Services, body: OpRequest, op: str) -> Response:
+async def op_answer(replica: Services, op: str, body: OpRequest) -> Response:
     """POST /v1/ops/{op}'s answer (HotPaths and the route both call it)."""
     budgets = request_budgets(replica.args.max_elements)
     answer = await _run_call(replica, op, body, budgets)
