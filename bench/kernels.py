@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from micro import describe, graph_of, med, sync, times_ms  # bench/ is the script's directory
 
-from gpuos_core import OpCall, Runtime
+from gpuos_core import CudaConfig, OpCall, Runtime, RuntimeConfig
 
 faulthandler.dump_traceback_later(540, exit=True)  # a hang prints where it stuck, then exits
 DEV = torch.device("cuda")
@@ -377,16 +377,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=[s.name for s in SECTIONS],
+        choices=[s.name for s in SECTIONS],
+    )
+    parser.add_argument(
+        "--blocks-per-sm", type=int, default=CudaConfig().blocks_per_sm, help="worker blocks per SM"
+    )
     args = parser.parse_args()
+    sections = [s for s in SECTIONS if s.name in args.sections]
     reps = 3 if args.quick else 7
     ctx = Context(copy_bandwidth(reps), reps, torch.cuda.get_device_properties(DEV).L2_cache_size)
     print(
         f"copy bandwidth {ctx.copy_gbps:.0f} GB/s (read + written), L2 {ctx.l2_bytes >> 20} MB",
         flush=True,
     )
-    cases = {s.name: s.baseline(ctx, args.quick) for s in SECTIONS}  # before the worker exists
-    with Runtime("cuda") as rt:
-        for s in SECTIONS:
+    cases = {s.name: s.baseline(ctx, args.quick) for s in sections}  # before the worker exists
+    config = RuntimeConfig(backend="cuda", cuda=CudaConfig(blocks_per_sm=args.blocks_per_sm))
+    with Runtime(config=config) as rt:
+        for s in sections:
             for case in cases[s.name]:
                 s.measure(rt, case, ctx)
                 print(f"{s.name}: {s.show(case.row)}", flush=True)
@@ -395,9 +406,10 @@ def main() -> None:
         "commit": commit(),
         "copy_gbps": ctx.copy_gbps,
         "calls": CALLS,
+        "blocks_per_sm": args.blocks_per_sm,
         "summary": {},
     }
-    for s in SECTIONS:
+    for s in sections:
         rows = [c.row for c in cases[s.name]]
         result[s.name] = rows
         result["summary"].update(s.summarise(rows))

@@ -41,6 +41,16 @@ typedef unsigned long long uint64_t;
  * gpuos_device.cuh), after work that reads no input tensor (its plan, warming its weights into
  * L2), so that this work overlaps the producers; the operator awaits on every path. */
 #define GPUOS_TASK_EARLY 1
+/* flags, SETTLED(k): no record that this record waits for, directly or through its producers,
+ * writes input k, so an EARLY operator may read that input before its wait (the linear streams
+ * its weights in while x is produced). A record that waits for nothing needs no such flag. */
+#define GPUOS_TASK_SETTLED(k) (2 << (k))
+
+/* Dynamic shared memory of a worker block: an operator may use gpuos_dynamic_smem
+ * (gpuos_device.cuh) during its call, gpuos_dynamic_smem_bytes() of it (the backend asks for this
+ * many bytes and gives less where the device has less; operators check). Nothing in it survives
+ * the call. */
+#define GPUOS_DYNAMIC_SMEM 98304
 
 
 /* A strided view of one tensor. Element (i0, ..., i{ndim-1}) lives at

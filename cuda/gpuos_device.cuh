@@ -129,6 +129,23 @@ __device__ __forceinline__ void gpuos_prefetch_line(const char* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+/* Whether input k of the record can be read before its wait: it waits for nothing, or the host
+ * marked the input settled (GPUOS_TASK_SETTLED). */
+__device__ __forceinline__ bool gpuos_settled(const GpuosTask* task, int k) {
+  const bool waits = task->wait[0] != GPUOS_NO_EVENT || task->wait[1] != GPUOS_NO_EVENT;
+  return task->events == 0 || !waits || (task->flags & GPUOS_TASK_SETTLED(k)) != 0;
+}
+
+/* The worker block's dynamic shared memory (GPUOS_DYNAMIC_SMEM in gpuos_abi.h). */
+extern __shared__ __align__(128) char gpuos_dynamic_smem[];
+
+/* Bytes of gpuos_dynamic_smem this launch has. */
+__device__ __forceinline__ unsigned int gpuos_dynamic_smem_bytes() {
+  unsigned int bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return bytes;
+}
+
 /* The wait of a GPUOS_TASK_EARLY record, by all threads of the block, once its operator's
  * input-free work is under way: returns when the record's inputs are ready to read. */
 __device__ __forceinline__ void gpuos_await(const GpuosTask* task) {

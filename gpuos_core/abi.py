@@ -22,6 +22,13 @@ MAX_WAITS = 2
 NO_EVENT = -1
 OP_NOP = -2
 TASK_EARLY = 1  # flags: the operator awaits the record's events itself (gpuos_abi.h)
+DYNAMIC_SMEM = 98304  # bytes of dynamic shared memory a worker block asks for (gpuos_abi.h)
+
+
+def task_settled(k: int) -> int:
+    """flags bit GPUOS_TASK_SETTLED(k): no record this one waits for writes input k."""
+    return 2 << k
+
 
 # GPUOS_DTYPE_* codes, and the torch dtypes the runtime accepts (int32 only as an operator's index
 # input: the catalogue checks which inputs may be indices).

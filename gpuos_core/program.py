@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .abi import MAX_WAITS, NO_EVENT, OP_NOP, RAW_TASK, TASK, TENSOR_REF, field_offset
+from .abi import MAX_WAITS, NO_EVENT, OP_NOP, RAW_TASK, TASK, TENSOR_REF, field_offset, task_settled
 from .batch import Batch
 from .calls import OpCall, Prepared
 from .errors import ProgramError
@@ -142,8 +142,9 @@ class ProgramBuilder:
         """The program of every task added so far (ProgramError when there is none)."""
         if not self._tasks:
             raise ProgramError("a program needs at least one task")
-        deps = reduce_edges(data_flow(self._tasks), self._after)
-        return encode_program(self._tasks, deps, self._allocate, self._device)
+        found, settled = data_flow(self._tasks)
+        deps = reduce_edges(found, self._after)
+        return encode_program(self._tasks, deps, settled, self._allocate, self._device)
 
 
 # -- edges ---------------------------------------------------------------------------------------
@@ -188,23 +189,24 @@ class _Accesses:
         )
 
 
-def data_flow(tasks: Sequence[Prepared]) -> list[set[int]]:
-    """Per task, the earlier tasks it must follow: read after write, write after read or write."""
-    seen, deps = _Accesses(), []
+def data_flow(tasks: Sequence[Prepared]) -> tuple[list[set[int]], list[int]]:
+    """Per task, the earlier tasks it must follow (read after write, write after read or write),
+    and its TASK_SETTLED bits: the inputs it only reads that no earlier task writes."""
+    seen, deps, settled = _Accesses(), [], []
     for i, task in enumerate(tasks):
         writes = [task.out_ref] + [task.inputs[k] for k in task.inputs_written]
-        reads = [x for k, x in enumerate(task.inputs) if k not in task.inputs_written]
+        reads = {k: span(x) for k, x in enumerate(task.inputs) if k not in task.inputs_written}
         wspans = [s for s in map(span, writes) if s]
-        rspans = [s for s in map(span, reads) if s]
-        found = set().union(
-            *(seen.conflicts(s, True) for s in wspans), *(seen.conflicts(s, False) for s in rspans)
-        )
-        for s in rspans:
-            seen.record(s, i, False)
+        producers = {k: seen.conflicts(s, False) if s else set() for k, s in reads.items()}
+        found = set().union(*(seen.conflicts(s, True) for s in wspans), *producers.values())
+        for s in reads.values():
+            if s:
+                seen.record(s, i, False)
         for s in wspans:
             seen.record(s, i, True)
         deps.append(found)
-    return deps
+        settled.append(sum(task_settled(k) for k, p in producers.items() if not p))
+    return deps, settled
 
 
 def reduce_edges(
@@ -270,11 +272,13 @@ def plan_events(tasks: Sequence[Prepared], deps: Sequence[tuple[int, ...]]) -> _
 def encode_program(
     tasks: Sequence[Prepared],
     deps: tuple[tuple[int, ...], ...],
+    settled: Sequence[int],
     allocate: Callable[[int], np.ndarray],
     device: torch.device,
 ) -> Program:
     """Records of every task (joins before their task's tiles) in `allocate`d memory, with the
-    event plan written in; the counters live on `device`."""
+    event plan and each task's `settled` flags (data_flow) written in; the counters live on
+    `device`."""
     plan = plan_events(tasks, deps)
     nop = np.zeros(1, dtype=TASK)
     nop["op_slot"] = OP_NOP
@@ -286,9 +290,13 @@ def encode_program(
     events = torch.zeros(plan.events, dtype=torch.int32, device=device) if plan.events else None
     _write_plan(records, plan, 0 if events is None else events.data_ptr())
     _check_plan(records)
+    tiles = np.array([len(t.records) for t in tasks])
+    runs = np.column_stack([plan.joins, tiles]).ravel()  # joins, then tiles, task by task
+    flags = np.column_stack([np.zeros(len(tasks), dtype=np.int64), settled]).ravel()
+    records["flags"] |= np.repeat(flags, runs).astype(records["flags"].dtype)
     names: dict[str, int] = {}
     op_of_task = np.array([names.setdefault(t.op, len(names)) for t in tasks], dtype=np.int32)
-    counts = np.array([len(t.records) + j for t, j in zip(tasks, plan.joins)])
+    counts = tiles + np.array(plan.joins)
     owners = np.repeat(np.arange(len(tasks), dtype=np.int32), counts)
     op_of_record = op_of_task[owners]
     op_of_record[records["op_slot"] == OP_NOP] = -1

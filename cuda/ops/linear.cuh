@@ -21,18 +21,17 @@
  * writes out. A task must not run concurrently with itself (a second run would share counters).
  *
  * Tensor-core path (fp16/bf16, K > 0 and K % 8 == 0, 16-byte aligned rows of x and W, rows of x
- * and of out one stride apart, blockDim >= 256): 8 warps each own 8 rows of the n-tile; mma.sync
- * m16n8k16 with x as A (m16 tiles of rows, 1 to 4 by the m-block's size) and W as B, so that a
- * warp's W fragment is one 16-byte load per lane per step: lane (g, q) loads
- * W[row g][k + 8q .. k + 8q + 7] and x likewise, and the two products of a step read those 8
- * values in an order permuted consistently for A and B (the dot product does not care).
- * Memory: W streams straight into registers through a ring GPUOS_LINEAR_RING steps deep
- * (ld.global.nc, read once; 16 KB in flight per SM) and is prefetched into L2 16 to 24 steps
- * ahead (one bulk prefetch per row on sm_90), so that the ring's loads hit L2; x goes through 3
- * stages of shared memory (cp.async.cg: L2, never a stale L1 line) shared by the 8 warps. Both
- * streams run on across the items of a record, so an item's epilogue overlaps the next item's
- * loads. Registers: 96 (the NVRTC cap); static shared memory 24,676 bytes (stages 24 KB:
- * an x stage of 32 or 64 rows then spans 4 or 2 steps, a barrier per stage, not per step).
+ * and of out one stride apart, blockDim >= 256, GPUOS_LINEAR_SMEM bytes of dynamic shared memory):
+ * 8 warps each own 8 rows of the n-tile; mma.sync m16n8k16 with x as A (m16 tiles of rows, 1 to 4
+ * by the m-block's size) and W as B, so that a warp's W fragment is one 16-byte shared-memory load
+ * per lane per step: lane (g, q) reads W[row g][k + 8q .. k + 8q + 7] and x likewise, and the two
+ * products of a step read those 8 values in an order permuted consistently for A and B (the dot
+ * product does not care).
+ * Memory: W and x stream through a pipeline of stages in the worker's dynamic shared memory
+ * (cp.async.cg: L2, never a stale L1 line; GpuosLinearPipe), running on across the items of a
+ * record, so that an item's epilogue overlaps the next item's loads; where W is settled
+ * (gpuos_settled), its first stages are issued before the wait for x. Registers: 96 (the NVRTC
+ * cap).
  * Anything else (fp32, odd strides or alignment, K = 0, small blocks) takes the CUDA-core path:
  * one thread per output, same items, same combine. */
 #pragma once
@@ -45,17 +44,9 @@
 #define GPUOS_LINEAR_KSTEP 32       /* k per step: two m16n8k16 products */
 #define GPUOS_LINEAR_STEP_ALIGN 8   /* a split's steps come in multiples of this */
 #define GPUOS_LINEAR_PART_ROWS 16   /* partial blocks have rows rounded up to this */
-#define GPUOS_LINEAR_STAGES 3       /* x stages in shared memory */
-#define GPUOS_LINEAR_STAGE_BYTES 8192
 #define GPUOS_LINEAR_MMA_THREADS (GPUOS_LINEAR_WARPS * GPUOS_WARP)
-/* W is prefetched into L2 this many steps at a time, twice that ahead of its loads. */
-#define GPUOS_LINEAR_PREFETCH GPUOS_LINEAR_STEP_ALIGN
-/* Bytes of W a record asks L2 for before its x is ready (gpuos_linear_warm). */
-#define GPUOS_LINEAR_WARM_BYTES 65536
-/* Steps of W each lane keeps in flight in registers (16 bytes each). 8 would double the bytes in
- * flight, but spills ring slots right after their loads in the operator as the worker calls it
- * (an ABI function, 64 registers when this was measured): a spill store waits for its load and stalls the warp. */
-#define GPUOS_LINEAR_RING 4
+/* Dynamic shared memory the tensor-core path's pipeline takes. */
+#define GPUOS_LINEAR_SMEM GPUOS_DYNAMIC_SMEM
 
 /* What one task's records share, computed once per record by thread 0 into shared memory. */
 struct GpuosLinearPlan {
@@ -106,7 +97,7 @@ __device__ __forceinline__ bool gpuos_linear_fast(const GpuosTask* t, const Gpuo
   const bool unit = x.strides[x.ndim - 1] == 1 && w.strides[1] == 1;
   const bool aligned = p.k % 8 == 0 && gpuos_aligned16(x.data) && gpuos_aligned16(w.data);
   return GPUOS_SM80 && half && x.dtype == w.dtype && rows && unit && aligned && p.k > 0 &&
-         blockDim.x >= GPUOS_LINEAR_MMA_THREADS;
+         blockDim.x >= GPUOS_LINEAR_MMA_THREADS && gpuos_dynamic_smem_bytes() >= GPUOS_LINEAR_SMEM;
 }
 
 __device__ __forceinline__ GpuosLinearPlan gpuos_linear_plan(const GpuosTask* t) {
@@ -287,15 +278,6 @@ __device__ __forceinline__ void gpuos_cp_async_wait() {
 #endif
 }
 
-/* 16 bytes of a weight, through the read-only path without keeping them in L1 (read once). */
-__device__ __forceinline__ uint4 gpuos_ld_weight16(const char* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 /* Ask L2 for `bytes` (a multiple of 16) from p (16-byte aligned), by one thread: one bulk
  * prefetch on sm_90 (the copy engine keeps it in flight, no register or load slot), else one
  * prefetch per 128-byte line. */
@@ -341,29 +323,6 @@ __device__ __forceinline__ void gpuos_mma16816(float (&d)[4], unsigned int a0, u
 #endif
 }
 
-/* One lane's walk along k of a row of W through the items of a record: the 16-bit element at p,
- * and how many elements of the item's k range remain from there (<= 0: past its end, or the row
- * does not exist; nothing is loaded then). */
-struct GpuosLinearCursor {
-  const char* p;
-  int left;
-
-  __device__ __forceinline__ void step(int elements) { p += 2 * elements, left -= elements; }
-};
-
-/* Row `row` (of the item's n-tile) of W at element `kofs` of item i's k range. */
-__device__ __forceinline__ GpuosLinearCursor gpuos_linear_w_at(const GpuosTask* t,
-                                                                const GpuosLinearPlan& p, int i,
-                                                                int row, int kofs) {
-  const GpuosLinearItem it = gpuos_linear_item(p, i);
-  const int n = GPUOS_LINEAR_BN * it.nt + row;
-  const bool exists = i < t->range_end && row < GPUOS_LINEAR_BN && n < p.n;
-  GpuosLinearCursor c;
-  c.p = reinterpret_cast<const char*>(t->in[1].data) + 2 * (n * t->in[1].strides[0] + it.k0 + kofs);
-  c.left = exists ? it.k1 - it.k0 - kofs : 0;
-  return c;
-}
-
 /* 16 bytes of shared memory at 32-bit shared address `a`. */
 __device__ __forceinline__ uint4 gpuos_lds16(unsigned int a) {
   uint4 v;
@@ -373,243 +332,216 @@ __device__ __forceinline__ uint4 gpuos_lds16(unsigned int a) {
   return v;
 }
 
-/* The x stages: buffers of R rows of KC elements, at most D steps (a stage starts at a step of
- * the ring's first slot); 16-byte chunk c of row r sits at chunk c ^ 4 (r & 1) when rows span 128
- * bytes or more, so that the 8 lanes of each quarter warp (rows g, g + 1, chunks q .. q + 3 of
- * one step) hit 8 different bank groups. */
-template <int R, int D>
-struct GpuosLinearStages {
-  static constexpr int KC = GPUOS_LINEAR_STAGE_BYTES / (2 * R) < D * GPUOS_LINEAR_KSTEP
-                                ? GPUOS_LINEAR_STAGE_BYTES / (2 * R)
-                                : D * GPUOS_LINEAR_KSTEP; /* elements of a row */
-  static constexpr int PITCH = 2 * KC;                           /* bytes of a row */
-  static constexpr int CHUNKS = KC / 8;                          /* 16-byte chunks of a row */
-  static constexpr int STEPS = KC / GPUOS_LINEAR_KSTEP;          /* steps a stage covers */
-  static constexpr int SWIZZLE = CHUNKS >= 8 ? 4 : 0;
-  __device__ static int offset(int r, int chunk) {
-    return r * PITCH + 16 * (chunk ^ (r & 1 ? SWIZZLE : 0));
+/* The pipeline of the tensor-core path, in gpuos_dynamic_smem: NS stages, each STEPS steps of
+ * the current item, W's 64 rows then R rows of x (R: rows of an m-block rounded up to 8, 16, 32 or
+ * 64). 16-byte chunk c of row r of either sits at chunk c ^ 4 (r & 1), so that the 8 lanes of each
+ * quarter warp (rows g, g + 1, chunks q .. q + 3 of one step) hit 8 different bank groups. W then
+ * has NS - 1 stages in flight (48 to 64 KB): what an SM needs to read at its share of the device's
+ * bandwidth, where a ring in registers held 16 KB. */
+template <int R>
+struct GpuosLinearPipe {
+  static constexpr int STEPS = R >= 64 ? 2 : 4;            /* steps a stage covers */
+  static constexpr int KC = STEPS * GPUOS_LINEAR_KSTEP;    /* elements of a row of a stage */
+  static constexpr int PITCH = 2 * KC;                      /* bytes of a row */
+  static constexpr int CHUNKS = KC / 8;                     /* 16-byte chunks of a row */
+  static constexpr int W_BYTES = GPUOS_LINEAR_BN * PITCH;
+  static constexpr int BYTES = W_BYTES + R * PITCH;
+  static constexpr int NS = GPUOS_LINEAR_SMEM / BYTES < 6 ? GPUOS_LINEAR_SMEM / BYTES : 6;
+  static_assert(CHUNKS >= 8 && NS >= 3, "the swizzle needs 128-byte rows; the wait, 3 stages");
+  static_assert(GPUOS_LINEAR_STEP_ALIGN % STEPS == 0, "items have whole stages");
+  __device__ static int offset(int r, int chunk) { return r * PITCH + 16 * (chunk ^ (r & 1 ? 4 : 0)); }
+};
+
+/* Where stage n of a record reads, the same in every thread (each keeps its own copy and moves it
+ * on stage by stage: no shared state, no barrier). */
+struct GpuosLinearStage {
+  int item;     /* its item (range_end and past: none, rows and wrows are 0) */
+  int k, k1;    /* first element of the stage; end of the item's k range */
+  int left;     /* stages of the item from this one on */
+  int row0;     /* first row of x of the item's m-block ... */
+  int rows;     /* ... and its rows */
+  int n0;       /* first row of W of the item's n-tile ... */
+  int wrows;    /* ... and its rows */
+
+  __device__ static GpuosLinearStage at(const GpuosTask* t, const GpuosLinearPlan& p, int i, int kc) {
+    const GpuosLinearItem it = gpuos_linear_item(p, i);
+    const bool in = i < t->range_end;
+    GpuosLinearStage s;
+    s.item = i;
+    s.k = it.k0;
+    s.k1 = it.k1;
+    s.left = it.steps * GPUOS_LINEAR_KSTEP / kc;
+    s.row0 = GPUOS_LINEAR_BM * it.mb;
+    s.rows = in ? it.rows : 0;
+    s.n0 = GPUOS_LINEAR_BN * it.nt;
+    s.wrows = in ? min(GPUOS_LINEAR_BN, p.n - s.n0) : 0;
+    return s;
+  }
+
+  __device__ void next(const GpuosTask* t, const GpuosLinearPlan& p, int kc) {
+    k += kc;
+    if (--left == 0) *this = at(t, p, item + 1, kc);
   }
 };
 
-/* Where an x stage comes from, the same for every thread: the stage's item, rows and first
- * element. Thread 0 moves it on from one stage to the next (see gpuos_linear_issue_x). */
-struct GpuosLinearXStage {
-  int item;    /* its item (range_end and past: none, rows is 0) */
-  int row0;    /* first row of x of the item's m-block */
-  int rows;    /* rows of x in it */
-  int k, k1;   /* first element of the stage; end of the item's k range */
-  int stages;  /* stages of the item from this one on */
-};
-
-__device__ __forceinline__ GpuosLinearXStage gpuos_linear_x_stage(const GpuosTask* t,
-                                                                  const GpuosLinearPlan& p, int i,
-                                                                  int kc) {
-  const GpuosLinearItem it = gpuos_linear_item(p, i);
-  GpuosLinearXStage x;
-  x.item = i;
-  x.row0 = GPUOS_LINEAR_BM * it.mb;
-  x.rows = i < t->range_end ? it.rows : 0;
-  x.k = it.k0;
-  x.k1 = it.k1;
-  x.stages = it.steps * GPUOS_LINEAR_KSTEP / kc;
-  return x;
-}
-
-/* Issue x stage number n into shared address `stage`: each thread copies its 16 bytes, zeros
- * past the item's k range or rows (pad steps and absent rows then add nothing; threads past the
- * stage copy nothing), and thread 0 writes where stage n + 1 comes from into the other slot of
- * `xs`. Callers separate consecutive issues by a barrier: it publishes that slot, and every
- * thread has read slot n & 1 before it is rewritten for stage n + 2. */
-template <int R, int D>
-__device__ __forceinline__ void gpuos_linear_issue_x(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                     GpuosLinearXStage* xs, int n,
-                                                     unsigned int stage) {
-  using St = GpuosLinearStages<R, D>;
-  const GpuosLinearXStage x = xs[n & 1];
-  const char* x0 = reinterpret_cast<const char*>(t->in[0].data);
-  for (int c = threadIdx.x; c < R * St::CHUNKS; c += blockDim.x) {
-    const int row = c / St::CHUNKS, kofs = 8 * (c % St::CHUNKS);
-    const bool in = row < x.rows && x.k + kofs < x.k1;
-    const char* src = x0 + 2 * ((x.row0 + row) * p.xrs + x.k + kofs);
-    gpuos_cp_async16(stage + St::offset(row, c % St::CHUNKS), in ? src : x0, in ? 16 : 0);
-  }
-  gpuos_cp_async_commit();
-  if (threadIdx.x == 0) {
-    GpuosLinearXStage next = x;
-    next.k += St::KC;
-    xs[(n + 1) & 1] = --next.stages > 0 ? next : gpuos_linear_x_stage(t, p, x.item + 1, St::KC);
+/* Copy `rows` rows of a stage from `src` (rows `stride` elements apart, the stage's elements from
+ * s.k on) into shared address `dst`, zeros past the item's k range and for rows [rows, count):
+ * pad steps and absent rows then add nothing. */
+template <int R>
+__device__ __forceinline__ void gpuos_linear_copy(unsigned int dst, const char* src, int64_t stride,
+                                                  int rows, int count, const GpuosLinearStage& s) {
+  using Pipe = GpuosLinearPipe<R>;
+  for (int c = threadIdx.x; c < count * Pipe::CHUNKS; c += blockDim.x) {
+    const int row = c / Pipe::CHUNKS, kofs = 8 * (c % Pipe::CHUNKS);
+    const bool in = row < rows && s.k + kofs < s.k1;
+    const char* from = src + 2 * (row * stride + s.k + kofs);
+    gpuos_cp_async16(dst + Pipe::offset(row, c % Pipe::CHUNKS), in ? from : src, in ? 16 : 0);
   }
 }
 
-/* Prefetch into L2 the GPUOS_LINEAR_PREFETCH steps of W starting at this lane's cursor (its
- * row's block: the lane's 16 bytes sit 8 q elements into it). */
-__device__ __forceinline__ void gpuos_linear_prefetch(const GpuosLinearCursor& at, int q) {
-  constexpr int BLOCK = GPUOS_LINEAR_PREFETCH * GPUOS_LINEAR_KSTEP;
-  gpuos_prefetch_row(at.p - 16 * q, 2 * min(BLOCK, at.left + 8 * q), q);
+/* Stage s's W (wanted) and x (wanted) into buffer `buffer`; no copies for a stage past the
+ * record's last item. The caller commits. */
+template <int R>
+__device__ __forceinline__ void gpuos_linear_issue(const GpuosTask* t, const GpuosLinearPlan& p,
+                                                   unsigned int buffer, const GpuosLinearStage& s,
+                                                   bool w, bool x) {
+  using Pipe = GpuosLinearPipe<R>;
+  if (s.item >= t->range_end) return;
+  if (w) {
+    const char* w0 = reinterpret_cast<const char*>(t->in[1].data) + 2 * s.n0 * t->in[1].strides[0];
+    gpuos_linear_copy<R>(buffer, w0, t->in[1].strides[0], s.wrows, GPUOS_LINEAR_BN, s);
+  }
+  if (x) {
+    const char* x0 = reinterpret_cast<const char*>(t->in[0].data) + 2 * s.row0 * p.xrs;
+    gpuos_linear_copy<R>(buffer + Pipe::W_BYTES, x0, p.xrs, s.rows, R, s);
+  }
 }
 
-/* The items of the record on tensor cores. R: rows of an m-block rounded up (8, 16, 32, 64);
- * D: steps of W in flight in registers. Warps past GPUOS_LINEAR_WARPS (blocks over 256 threads)
- * run the same loop on rows past the tile: they load nothing and emit nothing. */
-template <int R, int D, bool BF16>
+/* The items of the record on tensor cores. W's first NS - 1 stages are issued before the wait
+ * for x where W is settled (gpuos_settled: no producer in the program writes it), so a record
+ * whose weights fit in them has them in shared memory when x is ready. Warps past
+ * GPUOS_LINEAR_WARPS (blocks over 256 threads) copy and keep the barriers, nothing else. */
+template <int R, bool BF16>
 __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                 char* stages, GpuosLinearXStage* xstage,
                                                  int* last) {
-  using St = GpuosLinearStages<R, D>;
+  using Pipe = GpuosLinearPipe<R>;
   constexpr int TILES = R < 16 ? 1 : R / 16; /* m16 tiles of x */
-  constexpr int PF = GPUOS_LINEAR_PREFETCH, AHEAD = 2 * GPUOS_LINEAR_PREFETCH;
-  constexpr int STEP = GPUOS_LINEAR_KSTEP, NS = GPUOS_LINEAR_STAGES;
-  static_assert(GPUOS_LINEAR_STEP_ALIGN % D == 0, "items have whole rounds of the ring");
+  constexpr int NS = Pipe::NS, KC = Pipe::KC;
   const int warp = threadIdx.x / GPUOS_WARP, lane = threadIdx.x % GPUOS_WARP;
   const int g = lane >> 2, q = lane & 3, wrow = 8 * warp + g;
+  const bool active = warp < GPUOS_LINEAR_WARPS;
   const int begin = static_cast<int>(t->range_begin), end = static_cast<int>(t->range_end);
-  const unsigned int base = gpuos_smem_address(stages);
+  const unsigned int base = gpuos_smem_address(gpuos_dynamic_smem);
 
-  /* W: this lane's 16 bytes of row wrow per step, D steps ahead of the products (a predicated
-   * load leaves a slot's earlier weights, which meet zeros of x past the k range), prefetched
-   * into L2 AHEAD steps ahead of that; the first item's first AHEAD steps now. */
-  GpuosLinearCursor w = gpuos_linear_w_at(t, p, begin, wrow, 8 * q);
-  GpuosLinearCursor at = w;
+  /* Stages 0 .. NS - 2, each one commit group: W before the wait when settled, x after it. */
+  const bool early = gpuos_settled(t, 1);
+  GpuosLinearStage fill = GpuosLinearStage::at(t, p, begin, KC);
+  if (early) {
 #pragma unroll
-  for (int b = 0; b < AHEAD / PF; ++b, at.step(PF * STEP)) gpuos_linear_prefetch(at, q);
-  uint4 ring[D];
-#pragma unroll
-  for (int u = 0; u < D; ++u, w.step(STEP)) {
-    ring[u] = make_uint4(0, 0, 0, 0);
-    if (w.left > 0) ring[u] = gpuos_ld_weight16(w.p);
+    for (int s = 0; s < NS - 1; ++s, fill.next(t, p, KC)) {
+      gpuos_linear_issue<R>(t, p, base + s * Pipe::BYTES, fill, true, false);
+      gpuos_cp_async_commit();
+    }
+    fill = GpuosLinearStage::at(t, p, begin, KC);
   }
-  /* x: NS - 1 stages ahead of the products, running on into the next item when one ends. */
-  int issued = 0;
-  if (threadIdx.x == 0) xstage[0] = gpuos_linear_x_stage(t, p, begin, St::KC);
+  gpuos_await(t);
 #pragma unroll
-  for (int s = 0; s < NS - 1; ++s, ++issued) {
-    __syncthreads();
-    gpuos_linear_issue_x<R, D>(t, p, xstage, issued, base + s * GPUOS_LINEAR_STAGE_BYTES);
+  for (int s = 0; s < NS - 1; ++s, fill.next(t, p, KC)) {
+    gpuos_linear_issue<R>(t, p, base + s * Pipe::BYTES, fill, !early, true);
+    gpuos_cp_async_commit();
   }
 
-  /* This lane's x in a stage: rows g (+ 8, + 16 a) at chunk 4 js + q, at 64 js past one of two
-   * base offsets (the swizzle flips chunk bit 2, which the parity of js sets). */
-  const unsigned int even = St::offset(g, q), odd = St::offset(g, 4 + q) - 64;
-  int consume = 0; /* stage buffer read next */
-  unsigned int xs = base;
+  /* This lane's 16 bytes in a stage: W row wrow and x rows g (+ 8, + 16 a), chunk 4 js + q at
+   * step js (the swizzle flips chunk bit 2, which the parity of js sets: 64 js past one of two
+   * base offsets). */
+  const unsigned int weven = Pipe::offset(wrow, q), wodd = Pipe::offset(wrow, 4 + q) - 64;
+  const unsigned int xeven = Pipe::W_BYTES + Pipe::offset(g, q);
+  const unsigned int xodd = Pipe::W_BYTES + Pipe::offset(g, 4 + q) - 64;
+  int consume = 0; /* buffer read next */
   GPUOS_ROLLED
   for (int i = begin; i < end; ++i) {
-    const int steps = gpuos_linear_item(p, i).steps; /* the rest is decoded again after the loop */
+    const GpuosLinearItem it = gpuos_linear_item(p, i);
     float acc[TILES][4];
 #pragma unroll
     for (int a = 0; a < TILES; ++a) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.0f;
     GPUOS_ROLLED
-    for (int j0 = 0; j0 < steps; j0 += D) {
+    for (int j0 = 0; j0 < it.steps; j0 += Pipe::STEPS) {
+      /* this stage's group is in (at most the NS - 2 younger ones pending) and every thread is
+       * done with the buffer read last, which takes stage n + NS - 1 */
+      gpuos_cp_async_wait<NS - 2>();
+      __syncthreads();
+      const int refill = consume == 0 ? NS - 1 : consume - 1;
+      gpuos_linear_issue<R>(t, p, base + refill * Pipe::BYTES, fill, true, true);
+      gpuos_cp_async_commit();
+      fill.next(t, p, KC);
+      const unsigned int stage = base + consume * Pipe::BYTES;
+      consume = consume == NS - 1 ? 0 : consume + 1;
+      if (!active) continue;
 #pragma unroll
-      for (int u = 0; u < D; ++u) {
-        const int j = j0 + u, js = u % St::STEPS;
-        if (js == 0) { /* a new stage: wait for it, then refill the one just read */
-          gpuos_cp_async_wait<NS - 2>();
-          __syncthreads();
-          const int refill = consume == 0 ? NS - 1 : consume - 1;
-          const unsigned int into = base + refill * GPUOS_LINEAR_STAGE_BYTES;
-          gpuos_linear_issue_x<R, D>(t, p, xstage, issued++, into);
-          xs = base + consume * GPUOS_LINEAR_STAGE_BYTES;
-          consume = consume == NS - 1 ? 0 : consume + 1;
-        }
-        if (j % PF == 0) { /* W at steps j + AHEAD .., maybe the next item's */
-          const bool here = j + AHEAD < steps;
-          GpuosLinearCursor ahead = here ? w : gpuos_linear_w_at(t, p, i + 1, wrow, 8 * q);
-          ahead.step(STEP * (here ? AHEAD - D : j + AHEAD - steps));
-          gpuos_linear_prefetch(ahead, q);
-        }
-        const unsigned int xl = xs + (js & 1 ? odd : even) + 64 * js;
-        const uint4 b = ring[u];
+      for (int js = 0; js < Pipe::STEPS; ++js) {
+        const unsigned int at = stage + 64 * js;
+        const uint4 b = gpuos_lds16(at + (js & 1 ? wodd : weven));
+        const unsigned int xl = at + (js & 1 ? xodd : xeven);
 #pragma unroll
         for (int a = 0; a < TILES; ++a) {
-          const uint4 lo = gpuos_lds16(xl + 16 * a * St::PITCH);
+          const uint4 lo = gpuos_lds16(xl + 16 * a * Pipe::PITCH);
           const uint4 hi =
-              R < 16 ? make_uint4(0, 0, 0, 0) : gpuos_lds16(xl + (16 * a + 8) * St::PITCH);
+              R < 16 ? make_uint4(0, 0, 0, 0) : gpuos_lds16(xl + (16 * a + 8) * Pipe::PITCH);
           gpuos_mma16816<BF16>(acc[a], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
           gpuos_mma16816<BF16>(acc[a], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
         }
-        if (j + D == steps) w = gpuos_linear_w_at(t, p, i + 1, wrow, 8 * q);
-        if (w.left > 0) ring[u] = gpuos_ld_weight16(w.p);
-        w.step(STEP);
       }
     }
     /* acc[a][e]: row 16 a + g (+ 8 for e >= 2) of x, output 8 warp + 2 q (+ 1 for odd e) */
-    const GpuosLinearItem it = gpuos_linear_item(p, i);
 #pragma unroll
     for (int a = 0; a < TILES; ++a) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = 16 * a + g + 8 * (e >> 1), c = 8 * warp + 2 * q + (e & 1);
-        if (r < it.rows && c < GPUOS_LINEAR_BN && GPUOS_LINEAR_BN * it.nt + c < p.n)
+        if (active && r < it.rows && GPUOS_LINEAR_BN * it.nt + c < p.n)
           gpuos_linear_emit<true>(t, p, it, r, c, acc[a][e]);
       }
     }
     GPUOS_MARK(1);
     gpuos_linear_arrive<true>(t, p, it, last);
   }
-  gpuos_cp_async_wait<0>(); /* no copy may land in the stages after the operator returned */
+  gpuos_cp_async_wait<0>(); /* no copy may land in shared memory after the operator returned */
 }
 
-template <int R, int D>
+template <int R>
 __device__ __forceinline__ void gpuos_linear_mma_dtype(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                       char* stages, GpuosLinearXStage* xstage,
                                                        int* last) {
   if (t->in[0].dtype == GPUOS_DTYPE_BF16) {
-    gpuos_linear_mma<R, D, true>(t, p, stages, xstage, last);
+    gpuos_linear_mma<R, true>(t, p, last);
   } else {
-    gpuos_linear_mma<R, D, false>(t, p, stages, xstage, last);
-  }
-}
-
-/* Ask L2 for the weights of the record's first items, about GPUOS_LINEAR_WARM_BYTES (at least
- * one item), each W row's k range once (items of other m-blocks share it), a row per thread at a
- * time: issued before the record's x is ready (GPUOS_TASK_EARLY), they stream in while the
- * producers still run. Capped so that the records of a matrix larger than L2 (an LM head) do
- * not evict each other's; the main loop's own prefetch takes over from there. Tensor-core path
- * only (its rows are 16-byte aligned and whole multiples of 16 bytes). */
-__device__ __forceinline__ void gpuos_linear_warm(const GpuosTask* t, const GpuosLinearPlan& p) {
-  const int begin = static_cast<int>(t->range_begin);
-  const int item_bytes = GPUOS_LINEAR_BN * 2 * GPUOS_LINEAR_KSTEP * p.kch;
-  const int items = max(1, GPUOS_LINEAR_WARM_BYTES / item_bytes);
-  const int end = min(static_cast<int>(t->range_end), begin + items);
-  GPUOS_ROLLED
-  for (int r = threadIdx.x; r < (end - begin) * GPUOS_LINEAR_BN; r += blockDim.x) {
-    const int i = begin + r / GPUOS_LINEAR_BN, row = r % GPUOS_LINEAR_BN;
-    const GpuosLinearItem it = gpuos_linear_item(p, i);
-    const int n = GPUOS_LINEAR_BN * it.nt + row;
-    if ((it.mb != 0 && i != begin) || n >= p.n || it.k1 <= it.k0) continue;
-    const char* w = reinterpret_cast<const char*>(t->in[1].data) + 2 * (n * t->in[1].strides[0] + it.k0);
-    gpuos_prefetch_l2(w, 2 * (it.k1 - it.k0));
+    gpuos_linear_mma<R, false>(t, p, last);
   }
 }
 
 __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
   __shared__ GpuosLinearPlan plan;
-  __shared__ GpuosLinearXStage xstage[2];
   __shared__ int last;
-  __shared__ __align__(128) char stages[GPUOS_LINEAR_STAGES * GPUOS_LINEAR_STAGE_BYTES];
   if (t->range_begin >= t->range_end) { /* no items (an empty x or W): uniform */
     gpuos_await(t);
     return;
   }
-  /* GPUOS_TASK_EARLY: the plan (from the descriptor alone) and the weights (no producer writes
-   * them) come before the wait for x */
+  /* GPUOS_TASK_EARLY: the plan (from the descriptor alone) and the weights, where settled,
+   * before the wait for x */
   if (threadIdx.x == 0) plan = gpuos_linear_plan(t);
   __syncthreads();
   GPUOS_MARK(0);
-  if (plan.fast) gpuos_linear_warm(t, plan);
-  gpuos_await(t);
   const int rows = min(plan.m, GPUOS_LINEAR_BM);
   if (!plan.fast) {
+    gpuos_await(t);
     gpuos_linear_generic(t, plan, &last);
   } else if (rows <= 8) {
-    gpuos_linear_mma_dtype<8, GPUOS_LINEAR_RING>(t, plan, stages, xstage, &last);
+    gpuos_linear_mma_dtype<8>(t, plan, &last);
   } else if (rows <= 16) {
-    gpuos_linear_mma_dtype<16, GPUOS_LINEAR_RING>(t, plan, stages, xstage, &last);
+    gpuos_linear_mma_dtype<16>(t, plan, &last);
   } else if (rows <= 32) {
-    gpuos_linear_mma_dtype<32, GPUOS_LINEAR_RING>(t, plan, stages, xstage, &last);
+    gpuos_linear_mma_dtype<32>(t, plan, &last);
   } else {
-    gpuos_linear_mma_dtype<64, GPUOS_LINEAR_RING>(t, plan, stages, xstage, &last);
+    gpuos_linear_mma_dtype<64>(t, plan, &last);
   }
 }
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from cuda.bindings import driver as cu
 
-from ..abi import QUEUE, RAW_TASK, TASK, field_offset
+from ..abi import DYNAMIC_SMEM, QUEUE, RAW_TASK, TASK, field_offset
 from ..batch import Batch
 from ..config import CudaConfig
 from ..errors import StalledWorkerError
@@ -120,6 +120,7 @@ class CudaBackend(Backend):
         self._tail = 0
         self._modules: list[object] = []
         self._worker_fn = self._write_fn = None
+        self._dynamic_smem = 0  # bytes granted to the loaded worker (_grant_smem)
         self._last_progress = time.monotonic()
         self.broken: str | None = None  # why the backend refuses work, once stalled
         self.launches = 0  # worker launches so far (each lease is one)
@@ -211,12 +212,34 @@ class CudaBackend(Backend):
                 cu.cuModuleLoadData(binary), f"cuModuleLoadData(image {image.generation})"
             )
             self._worker_fn = check(cu.cuModuleGetFunction(module, b"gpuos_worker"), "gpuos_worker")
+            self._dynamic_smem = self._grant_smem(self._worker_fn)
             self._write_fn = check(cu.cuModuleGetFunction(module, b"gpuos_write_u64"), "write_u64")
             self._modules.append(module)
             if len(self._modules) > 2:  # nothing references the one before the previous image
                 check(cu.cuModuleUnload(self._modules.pop(0)), "cuModuleUnload")
             self._write_u64(self._queue + field_offset(QUEUE, "stop"), 0)
             check(cu.cuStreamSynchronize(self._copy_stream), "cuStreamSynchronize(copy)")
+
+    def _grant_smem(self, fn: object) -> int:
+        """Let the worker `fn` have DYNAMIC_SMEM bytes of dynamic shared memory, or as much as
+        the device gives a block beside the worker's static shared memory with blocks_per_sm
+        blocks resident on an SM (operators that need more fall back to slower paths:
+        gpuos_abi.h)."""
+        optin = self._attribute("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
+        per_sm = (
+            self._attribute("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR") // self.config.blocks_per_sm
+        )
+        static = check(
+            cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn),
+            "cuFuncGetAttribute(shared)",
+        )
+        # the driver keeps 1 KB of an SM's shared memory per resident block (sm_80 and later)
+        grant = max(0, min(DYNAMIC_SMEM, optin - static, per_sm - static - 1024))
+        attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(cu.cuFuncSetAttribute(fn, attribute, grant), "cuFuncSetAttribute(dynamic shared)")
+        if grant < DYNAMIC_SMEM:
+            log.warning("worker: %d of %d bytes of dynamic shared memory", grant, DYNAMIC_SMEM)
+        return grant
 
     def launch(self, batch: Batch) -> None:
         """Publish the batch's records, in parts of at most the ring's capacity when it is larger:
@@ -385,7 +408,7 @@ class CudaBackend(Backend):
                 c.block_threads,
                 1,
                 1,
-                0,
+                self._dynamic_smem,
                 self._worker_stream,
                 params,
                 0,

@@ -38,6 +38,8 @@ def _c_program(fields: dict[str, list[str]]) -> str:
         "GPUOS_DTYPE_F32",
         "GPUOS_DTYPE_F16",
         "GPUOS_DTYPE_BF16",
+        "GPUOS_DYNAMIC_SMEM",
+        "GPUOS_TASK_SETTLED(1)",
     ):
         lines.append(f'printf("\\"{const}\\": %d, ", (int){const});')
     lines += ['printf("\\"end\\": 0}");', "return 0; }"]
@@ -85,6 +87,8 @@ def test_constants_match_header(c_layout: dict[str, int]) -> None:
     assert c_layout["GPUOS_DTYPE_F32"] == abi.DTYPE_CODES[torch.float32]
     assert c_layout["GPUOS_DTYPE_F16"] == abi.DTYPE_CODES[torch.float16]
     assert c_layout["GPUOS_DTYPE_BF16"] == abi.DTYPE_CODES[torch.bfloat16]
+    assert c_layout["GPUOS_DYNAMIC_SMEM"] == abi.DYNAMIC_SMEM
+    assert c_layout["GPUOS_TASK_SETTLED(1)"] == abi.task_settled(1)
 
 
 def test_encode_task_records_view_geometry_read_back_through_the_dtype() -> None:

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from gpuos_core import CudaConfig, OpCall, Runtime, RuntimeConfig
+from gpuos_core.abi import task_settled
 from gpuos_core.errors import ProgramError, TaskFailedError
 from gpuos_core.tasklist import TaskList
 
 BINARY = ("add", "mul", "sub", "maximum")
 UNARY = ("relu", "sigmoid", "tanh", "neg", "softmax")
+HALF = {"atol": 0.05, "rtol": 0.01}  # fp16 results of fp32 sums over 264 products
 
 
 def runtime(backend: str, **cuda: object) -> Runtime:
@@ -109,6 +111,34 @@ def test_a_rebound_program_runs_over_new_tensors_and_leaves_the_old_ones(rt: Run
         rt.submit(program).wait(30).check()
     for x, y, out in runs:
         torch.testing.assert_close(out, torch.sigmoid(x[1:]) + y)
+
+
+def test_a_linear_reads_its_weight_before_its_wait_only_when_no_task_before_writes_it(
+    rt: Runtime,
+) -> None:
+    """The linear streams its weights in while its x is produced (TASK_SETTLED): a weight that an
+    earlier task of the program writes is read after the wait, so every answer is the weight's
+    new value, run after run."""
+    gen = torch.Generator().manual_seed(7)
+    x0, w = (torch.randn(s, generator=gen).half().to(rt.device) for s in ((5, 264), (200, 264)))
+    build = rt.program()
+    x = build.add(OpCall("relu", (x0,)))  # 0
+    w2 = build.add(OpCall("mul", (w, w)))  # 1
+    build.add(OpCall("linear", (x, w2)))  # 2: its weight comes from task 1
+    build.add(OpCall("linear", (x, w)))  # 3: its weight from no task
+    program = build.build()
+    flags = program.tasks.records["flags"]
+    settled = [int(np.bitwise_or.reduce(flags[program.tasks.owners == i])) for i in (2, 3)]
+    assert [(f & task_settled(0), f & task_settled(1)) for f in settled] == [
+        (0, 0),
+        (0, task_settled(1)),
+    ]
+    for scale in (1.0, -0.5):
+        w.copy_(torch.randn(w.shape, generator=gen).half().to(rt.device) * scale)
+        new, fresh = rt.submit(program).wait(30).results()[2:]
+        ref = torch.relu(x0).float()
+        torch.testing.assert_close(new.float(), ref @ (w.float() * w.float()).t(), **HALF)
+        torch.testing.assert_close(fresh.float(), ref @ w.float().t(), **HALF)
 
 
 def test_edges_follow_data_flow_and_drop_implied_ones() -> None:
