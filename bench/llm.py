@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from kernels import commit, copy_bandwidth, slug  # bench/ is the script's directory
 from micro import captured, describe, p99
 
-from gpuos_core import Runtime
+from gpuos_core import CudaConfig, Runtime, RuntimeConfig
 from serving.llm import ByteTokenizer, Model, forward_tokens, load_model
 from serving.llm.engine import Engine, EngineConfig
 from serving.llm.forward import TorchOps, forward
@@ -671,6 +671,9 @@ def parse() -> argparse.Namespace:
     )
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
     parser.add_argument("--no-torch-ops", action="store_true", help="skip engine+torch")
+    parser.add_argument(
+        "--blocks-per-sm", type=int, default=CudaConfig().blocks_per_sm, help="worker blocks per SM"
+    )
     args = parser.parse_args()
     args.streams = sorted(set(args.streams) | ({256} if args.with_256 else set()))
     return args
@@ -708,7 +711,8 @@ def main() -> None:
             )
             path = write(result, benches, floors, args.out)
         deadline(ENGINE_S)  # the runtime's start (loads or builds its image) included
-        with Runtime(args.backend) as rt:
+        cuda = CudaConfig(blocks_per_sm=args.blocks_per_sm)
+        with Runtime(config=RuntimeConfig(backend=args.backend, cuda=cuda)) as rt:
             for bench in benches:
                 deadline(ENGINE_S)
                 guarded(f"{bench.shape} engine+runtime", notes, lambda: ours(bench, rt, args))

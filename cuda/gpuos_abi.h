@@ -50,7 +50,7 @@ typedef unsigned long long uint64_t;
  * (gpuos_device.cuh) during its call, gpuos_dynamic_smem_bytes() of it (the backend asks for this
  * many bytes and gives less where the device has less; operators check). Nothing in it survives
  * the call. */
-#define GPUOS_DYNAMIC_SMEM 98304
+#define GPUOS_DYNAMIC_SMEM 73728
 
 
 /* A strided view of one tensor. Element (i0, ..., i{ndim-1}) lives at
