@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gpuos_core import GpuosError, Runtime, TaskFailedError, UnknownOperatorError
+from gpuos_core import GpuosError, Runtime, TaskFailedError
 from gpuos_core.canary import Comparison
 
 from .coalescer import Coalescer
@@ -69,6 +69,7 @@ from .schemas import (
     canary_report,
     error_responses,
     op_infos,
+    served,
     stats_total,
 )
 from .tensors import (
@@ -423,9 +424,7 @@ async def _run_call(
 ) -> dict[str, Any]:
     """One call through the coalescer: its answer's `op`, `version` and `output`. Its inputs and
     result are counted against `budgets`; the error classes say what failed."""
-    spec = replica.runtime.table.current(op).spec  # 404 before building tensors
-    if spec.kind.internal:
-        raise UnknownOperatorError(f"{op} is internal to the LLM engine: it is not served")
+    spec = served(replica.runtime.table, op).spec  # 404 before building tensors
     call = to_call(op, request, budgets.inputs, replica.runtime.device)
     check_output_size(spec, call, budgets.results)
     try:

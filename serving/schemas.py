@@ -19,7 +19,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from gpuos_core.canary import Comparison
-from gpuos_core.optable import OpTable
+from gpuos_core.errors import UnknownOperatorError
+from gpuos_core.optable import OpTable, OpVersion
 
 from .config import CoalescerConfig, DeadlineMs, MaxBatch, MaxQueue, WindowUs
 from .registry import Action, ChangeRecord, VersionRecord, version_record
@@ -163,6 +164,22 @@ class OpInfo(BaseModel):
 class OpsResponse(BaseModel):
     backend: str
     ops: list[OpInfo]
+
+
+def served(table: OpTable, name: str) -> OpVersion:
+    """The active version of operator `name` where the data plane serves it, else
+    UnknownOperatorError (404) naming those it serves (the LLM engine's internal operators are
+    not among them)."""
+    known = name in table.active
+    if known and not table.current(name).spec.kind.internal:
+        return table.current(name)
+    what = (
+        f"operator {name!r} is internal to the LLM engine"
+        if known
+        else f"unknown operator {name!r}"
+    )
+    names = ", ".join(info.name for info in op_infos(table))
+    raise UnknownOperatorError(f"{what}; served: {names}")
 
 
 def op_infos(table: OpTable) -> list[OpInfo]:

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 import serving.app  # noqa: F401  (imports every module that defines an error class)
 from gpuos_core import errors as core
 from gpuos_core.backends.cudadrv import CudaError
+from gpuos_core.optable import catalogue_table
 from serving import errors as serving_errors
 from serving.errors import (
     STATUS,
@@ -37,6 +38,7 @@ from serving.llm.engine import (
 )
 from serving.llm.model import KVCacheFullError, ModelLoadError
 from serving.llm.sampling import SamplingError
+from serving.schemas import served
 
 EXPECTED_STATUS = {  # the contract, class by class
     core.ExpressionError: 400,
@@ -152,3 +154,20 @@ def test_the_route_picks_the_shape_and_503_says_when_to_retry() -> None:
     assert openai_body(CudaError("cuMemAlloc failed"), 500)["error"]["type"] == "server_error"
     challenge = error_response(AdminAuthError("missing", 401), "/admin/ops")
     assert challenge.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_an_unknown_or_internal_operator_is_404_naming_only_the_served_ones() -> None:
+    table = catalogue_table()
+    assert served(table, "add").spec.family == table.current("add").spec.family
+    for name, what in (
+        ("no_such_op", "unknown operator 'no_such_op'"),
+        ("tick", "operator 'tick' is internal to the LLM engine"),
+    ):
+        with pytest.raises(core.UnknownOperatorError) as caught:
+            served(table, name)
+        assert status_of(caught.value) == 404
+        message = str(caught.value)
+        assert message.startswith(f"{what}; served: ")
+        listed = message.split("served: ")[1].split(", ")
+        assert "add" in listed and "gelu_tanh" in listed
+        assert "tick" not in listed and "feed_tokens" not in listed
