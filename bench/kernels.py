@@ -373,6 +373,13 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-") or "gpu"
 
 
+def blocks_argument(parser: argparse.ArgumentParser) -> None:
+    """--blocks-per-sm: the runtime's worker blocks per SM (CudaConfig.blocks_per_sm)."""
+    parser.add_argument(
+        "--blocks-per-sm", type=int, default=CudaConfig().blocks_per_sm, help="worker blocks per SM"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -383,9 +390,7 @@ def main() -> None:
         default=[s.name for s in SECTIONS],
         choices=[s.name for s in SECTIONS],
     )
-    parser.add_argument(
-        "--blocks-per-sm", type=int, default=CudaConfig().blocks_per_sm, help="worker blocks per SM"
-    )
+    blocks_argument(parser)
     args = parser.parse_args()
     sections = [s for s in SECTIONS if s.name in args.sections]
     reps = 3 if args.quick else 7

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from kernels import commit, copy_bandwidth, slug  # bench/ is the script's directory
+from kernels import blocks_argument, commit, copy_bandwidth, slug  # bench/ is the script's dir
 from micro import captured, describe, p99
 
 from gpuos_core import CudaConfig, Runtime, RuntimeConfig
@@ -671,9 +671,7 @@ def parse() -> argparse.Namespace:
     )
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
     parser.add_argument("--no-torch-ops", action="store_true", help="skip engine+torch")
-    parser.add_argument(
-        "--blocks-per-sm", type=int, default=CudaConfig().blocks_per_sm, help="worker blocks per SM"
-    )
+    blocks_argument(parser)
     args = parser.parse_args()
     args.streams = sorted(set(args.streams) | ({256} if args.with_256 else set()))
     return args

@@ -30,7 +30,7 @@ from llm import make_model  # bench/ is the script's directory
 from gpuos_core import OpCall, Runtime, RuntimeConfig
 from gpuos_core.config import CudaConfig
 from gpuos_core.program import Program
-from serving.llm.device_step import Layout, StepChain, StepProgram
+from serving.llm.device_step import Layout, StepChain, StepProgram, prefill_order
 from serving.llm.forward import Span
 from serving.llm.model import KVPool
 
@@ -224,7 +224,7 @@ def step(rt: Runtime, shape: str, rows: int, where: Path) -> Program:
     sp = StepProgram(rt, model, pool, Layout.of(spans, rows), None, chain, parity=0)
     params = torch.zeros(rows, 3)
     rng = torch.zeros(rows, 3, dtype=torch.int32)
-    places = np.array(sp.layout.places(spans), dtype=np.int64).reshape(-1, 2)
+    places = np.array(sp.layout.places(spans, prefill_order(spans)), dtype=np.int64).reshape(-1, 2)
     # every run waits for a clock value of 0 (its own ticks only move the clock past it)
     sp.inputs.write(spans, places, pool.max_len, params, rng, expect=0)
     return sp.program

@@ -129,11 +129,13 @@ __device__ __forceinline__ void gpuos_prefetch_line(const char* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-/* Whether input k of the record can be read before its wait: it waits for nothing, or the host
- * marked the input settled (GPUOS_TASK_SETTLED). */
+/* Whether input k of the record can be read before its wait: the host marked the input settled
+ * (GPUOS_TASK_SETTLED), or the record waits for nothing. */
 __device__ __forceinline__ bool gpuos_settled(const GpuosTask* task, int k) {
-  const bool waits = task->wait[0] != GPUOS_NO_EVENT || task->wait[1] != GPUOS_NO_EVENT;
-  return task->events == 0 || !waits || (task->flags & GPUOS_TASK_SETTLED(k)) != 0;
+  bool waits = false;
+#pragma unroll
+  for (int w = 0; w < GPUOS_MAX_WAITS; ++w) waits = waits || task->wait[w] != GPUOS_NO_EVENT;
+  return !waits || (task->flags & GPUOS_TASK_SETTLED(k)) != 0;
 }
 
 /* The worker block's dynamic shared memory (GPUOS_DYNAMIC_SMEM in gpuos_abi.h). */

@@ -133,21 +133,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=os.environ.get("GPUOS_ADMIN_TOKEN"),
         help="its admin token (default $GPUOS_ADMIN_TOKEN)",
     )
-    parser.add_argument(
-        "--config",
-        type=Path,
-        default=REPO / "deployments" / "llm.yaml",
-        help="Serve config to start when no --url is given",
-    )
-    parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument(
-        "--ingress",
-        choices=INGRESSES,
-        default="proxy",
-        help="the started app's ingress: Ray Serve's proxy, or HAProxy with "
-        "throughput-optimized Serve (falls back to the proxy, saying so, "
-        "where there is no haproxy program)",
-    )
+    app_arguments(parser, ingress="proxy")
     parser.add_argument(
         "--encoding",
         choices=ENCODINGS,
@@ -207,6 +193,26 @@ def target_app(args: argparse.Namespace, out: Path) -> Iterator[Target]:
         return
     with started_app(args, out) as target:
         yield target
+
+
+def app_arguments(parser: argparse.ArgumentParser, ingress: str) -> None:
+    """The arguments `started_app` reads (--config, --backend, --ingress), `ingress` the
+    default ingress."""
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=REPO / "deployments" / "llm.yaml",
+        help="Serve config to start when no --url is given",
+    )
+    parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument(
+        "--ingress",
+        choices=INGRESSES,
+        default=ingress,
+        help="the started app's ingress: Ray Serve's proxy (it answers 500 for the requests of "
+        "a killed replica), or HAProxy with throughput-optimized Serve (it replays them on "
+        "another; falls back to the proxy, saying so, where there is no haproxy program)",
+    )
 
 
 @contextmanager

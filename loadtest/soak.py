@@ -38,9 +38,10 @@ from pathlib import Path
 import psutil
 
 from loadtest.completions import MEASURES
-from loadtest.launch import ENCODINGS, INGRESSES, REPLICAS, REPO, replica_pids
+from loadtest.launch import ENCODINGS, REPLICAS, replica_pids
 from loadtest.run import (
     Target,
+    app_arguments,
     describe,
     locust,
     locust_entries,
@@ -107,15 +108,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between samples")
     parser.add_argument("--settle", type=float, default=60.0, help="memory's start: seconds in")
-    parser.add_argument("--config", type=Path, default=REPO / "deployments" / "llm.yaml")
-    parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument(
-        "--ingress",
-        choices=INGRESSES,
-        default="haproxy",
-        help="haproxy (default): requests of a killed replica are replayed on the other one; "
-        "Serve's proxy answers them 500",
-    )
+    app_arguments(parser, ingress="haproxy")
     parser.add_argument("--encoding", choices=ENCODINGS, default="b64")
     parser.add_argument("--max-tokens", type=int, default=16, help="completions' max_tokens")
     parser.add_argument(

@@ -168,28 +168,29 @@ class OpsResponse(BaseModel):
 
 def served(table: OpTable, name: str) -> OpVersion:
     """The active version of operator `name` where the data plane serves it, else
-    UnknownOperatorError (404) naming those it serves (the LLM engine's internal operators are
-    not among them)."""
-    known = name in table.active
-    if known and not table.current(name).spec.kind.internal:
-        return table.current(name)
+    UnknownOperatorError (404) naming those it serves."""
+    stack = table.active.get(name)
+    if stack and not stack[-1].spec.kind.internal:
+        return stack[-1]
     what = (
         f"operator {name!r} is internal to the LLM engine"
-        if known
+        if stack
         else f"unknown operator {name!r}"
     )
-    names = ", ".join(info.name for info in op_infos(table))
-    raise UnknownOperatorError(f"{what}; served: {names}")
+    raise UnknownOperatorError(f"{what}; served: {', '.join(served_names(table))}")
+
+
+def served_names(table: OpTable) -> list[str]:
+    """The operators the data plane serves, by name: all but the LLM engine's internal ones."""
+    return [n for n in sorted(table.names()) if not table.current(n).spec.kind.internal]
 
 
 def op_infos(table: OpTable) -> list[OpInfo]:
-    """Every operator's interface and active version, by name."""
+    """Every served operator's interface and active version, by name."""
     infos = []
-    for name in sorted(table.names()):
+    for name in served_names(table):
         current = table.current(name)
         spec = current.spec
-        if spec.kind.internal:
-            continue
         scalars = [ScalarInfo(name=p.name, default=p.default) for p in spec.scalars]
         infos.append(
             OpInfo(

@@ -87,11 +87,12 @@ class Layout:
         """Logits rows."""
         return self.decode + len(self.prefill)
 
-    def places(self, spans: Sequence[Span]) -> list[tuple[int, int]]:
-        """Per span (in the order given): its first row and its logits row."""
+    def places(self, spans: Sequence[Span], order: Sequence[int]) -> list[tuple[int, int]]:
+        """Per span (in the order given): its first row and its logits row; `order` is
+        prefill_order(spans)."""
         out = [(s.slot, s.slot) for s in spans]  # decode spans; prefill ones overwritten below
         rows = self.picked_rows()
-        for pick, i in enumerate(prefill_order(spans), start=self.decode):
+        for pick, i in enumerate(order, start=self.decode):
             out[i] = (rows[pick] + 1 - len(spans[i].tokens), pick)
         return out
 
@@ -395,10 +396,11 @@ class StepProgram:
     ) -> Launched:
         """Write the step's inputs (`expect`: the clock value of the previous step's tick) and
         submit the program; the result waits for it and reads back the spans' tokens."""
-        places = np.array(self.layout.places(spans), dtype=np.int64).reshape(-1, 2)
+        order = prefill_order(spans)
+        places = np.array(self.layout.places(spans, order), dtype=np.int64).reshape(-1, 2)
         self.inputs.write(spans, places, self.max_len, params, rng, expect)
         if self.binding is not None:
-            slots = np.array([spans[i].slot for i in prefill_order(spans)], dtype=np.uint64)
+            slots = np.array([spans[i].slot for i in order], dtype=np.uint64)
             self.program.rebind(self.binding, slots * np.uint64(self.slot_bytes))
         batch = rt.submit(self.program)
         picks = places[:, 1].tolist()
