@@ -150,6 +150,7 @@ def write_base(config: str, args: argparse.Namespace, state: Path, token: str) -
             }
         )
         ours["deployments"][0]["num_replicas"] = args.replicas
+        base["applications"] = [ours]  # without the completions gateways: no model here
     else:
         base["applications"] = [
             {

@@ -34,6 +34,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 REPLICAS = "ServeReplica:"  # how Ray titles a Serve replica's process: ServeReplica:<app>:<name>
+APP_REPLICAS = f"{REPLICAS}gpuos:GpuosIngress"  # the main app's replicas (not its gateways)
 INGRESSES = ("proxy", "haproxy")
 ENCODINGS = ("list", "b64")  # how load users send tensors (serving.schemas.Encoding)
 HAPROXY_ENV = {
@@ -127,6 +128,19 @@ class ServeProcess:
             time.sleep(0.25)
         raise RuntimeError(f"{self.url}{path} not up after {timeout_s:.0f} s:\n{self.log_tail()}")
 
+    def wait_until_routed(self, prefixes: Sequence[str], timeout_s: float = 180.0) -> None:
+        """Block until GET of each of `prefixes` (the route prefixes of a config's other
+        applications: the completions gateways, whose routes take POST) answers 405, which only
+        the application answers; RuntimeError with the log if one never does."""
+        deadline = time.monotonic() + timeout_s
+        for prefix in prefixes:
+            while _status(self.url + prefix) != 405:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.url}{prefix} not routed after {timeout_s:.0f} s:\n{self.log_tail()}"
+                    )
+                time.sleep(0.25)
+
     def stop(self) -> None:
         """Stop `serve run` so that it tears its Ray cluster down; kill the group if stuck.
         SIGTERM, not SIGINT: a process started from a background job inherits SIGINT ignored."""
@@ -187,16 +201,29 @@ def served(
     process = start_serve(config, port, tmp / "serve.log", env)
     try:
         process.wait_until_up(ready)
+        process.wait_until_routed(route_prefixes(config)[1:])
         yield process
     finally:
         process.stop()
 
 
+def route_prefixes(config: Path) -> list[str]:
+    """The route prefix of each application of a Serve config, in its order."""
+    return [
+        app.get("route_prefix", "/") for app in yaml.safe_load(config.read_text())["applications"]
+    ]
+
+
 def _answers_200(url: str) -> bool:
+    return _status(url) == 200
+
+
+def _status(url: str) -> int | None:
+    """The status GET `url` answers, None when nothing answers."""
     try:
-        return requests.get(url, timeout=5).status_code == 200
+        return requests.get(url, timeout=5).status_code
     except requests.RequestException:
-        return False
+        return None
 
 
 def replica_pids(title: str = REPLICAS) -> list[int]:

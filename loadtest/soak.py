@@ -38,7 +38,7 @@ from pathlib import Path
 import psutil
 
 from loadtest.completions import MEASURES
-from loadtest.launch import ENCODINGS, REPLICAS, replica_pids
+from loadtest.launch import APP_REPLICAS, ENCODINGS, replica_pids
 from loadtest.run import (
     Target,
     app_arguments,
@@ -51,7 +51,6 @@ from loadtest.run import (
 )
 from loadtest.statuses import SHED
 
-REPLICA_TITLE = f"{REPLICAS}gpuos:GpuosIngress"  # this app's replicas' processes
 SHED_PREFIX = f"{SHED} "  # the locustfile's entries of shed answers: "shed 503", "shed 504"
 USERS = ("MicroOpUser", "CompletionUser")
 
@@ -143,7 +142,7 @@ def deployment_options(args: argparse.Namespace) -> dict[str, object]:
 def wait_for_replicas(count: int, timeout_s: float = 300.0) -> None:
     """Until `count` replica processes run (the app answers once the first is up)."""
     deadline = time.monotonic() + timeout_s
-    while len(replica_pids(REPLICA_TITLE)) < count:
+    while len(replica_pids(APP_REPLICAS)) < count:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{count} replicas not running after {timeout_s:.0f} s")
         time.sleep(1.0)
@@ -182,7 +181,7 @@ def soak(
 
 def kill_one(now: float) -> Kill:
     """SIGKILL the first replica process: a crash, no graceful shutdown."""
-    pid = replica_pids(REPLICA_TITLE)[0]
+    pid = replica_pids(APP_REPLICAS)[0]
     os.kill(pid, signal.SIGKILL)
     return Kill(at_s=now, pid=pid)
 
@@ -190,7 +189,7 @@ def kill_one(now: float) -> Kill:
 def memory_sample(now: float) -> Sample:
     """Every replica's RSS and, with nvidia-smi, its GPU memory and the GPU's total."""
     rss = {}
-    for pid in replica_pids(REPLICA_TITLE):
+    for pid in replica_pids(APP_REPLICAS):
         try:
             rss[pid] = psutil.Process(pid).memory_info().rss / 2**20
         except psutil.NoSuchProcess:  # killed or replaced between the listing and now

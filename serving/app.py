@@ -1,17 +1,17 @@
 """The Serve application: `build_app`, named by deployments/*.yaml, and its ingress deployment.
 
 Each replica holds one runtime, one coalescer and its view of the operator registry. Its HTTP API
-(serving/routes.py) is built per replica by `__serve_build_asgi_app__`, so routes close over the
-services of the replica they use. The methods below the routes are called through a
-DeploymentHandle: `broadcast` reaches every replica (registry pushes, coalescer knobs,
-statistics, reports).
+(serving/routes.py) is built per replica and handed to Serve by `__serve_build_asgi_app__`, so
+routes close over the services of the replica they use. The methods below the routes are called
+through a DeploymentHandle: `broadcast` reaches every replica (registry pushes, coalescer knobs,
+statistics, reports), and `relay` carries the completions gateway's requests (serving/gateway.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import ray
@@ -29,6 +29,7 @@ from .config import AppArgs, Backend, CoalescerConfig
 from .errors import RegistryDivergedError
 from .metrics import ReplicaMetrics
 from .registry import ChangeNote, RegistryState, RegistryStore, ReplicaRegistry
+from .relay import RelayHead, RelayRequest, relayed
 from .routes import JsonRoute, Services, build_api
 from .schemas import ChangeResponse, ReadyResponse, ReplicaReport, ReplicaStats, admin_op
 from .watch import SwapWatch
@@ -64,6 +65,7 @@ class GpuosReplica:
             if args.llm.enabled
             else None
         )
+        self.api = self._build_api()
         log.info(
             "replica %s: %s; registry %s at seq %d",
             self.replica_id,
@@ -73,6 +75,9 @@ class GpuosReplica:
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:
+        return self.api
+
+    def _build_api(self) -> FastAPI:
         services = Services(
             args=self.args,
             replica_id=self.replica_id,
@@ -108,6 +113,13 @@ class GpuosReplica:
             self.llm.close()
         self.coalescer.flush()
         self.runtime.close()
+
+    # -- called through a DeploymentHandle ------------------------------------------------------
+    async def relay(self, request: RelayRequest) -> AsyncIterator[RelayHead | bytes]:
+        """`request` through this replica's HTTP API, streamed back (serving/relay.py): how the
+        completions gateway reaches the replica."""
+        async for item in relayed(self.api, request):
+            yield item
 
     # -- called through DeploymentHandle.broadcast ------------------------------------------------
     async def apply_registry(self, state: RegistryState) -> ReplicaReport:

@@ -86,6 +86,11 @@ class EngineFailedError(ServingError):
     """The engine failed while generating (HTTP 500; the replica keeps serving)."""
 
 
+class ReplicaLostError(ServingError):
+    """The replica making a completion failed and the gateway found none to finish it in time
+    (HTTP 503, or an error event in a stream already begun)."""
+
+
 class UnsupportedParameterError(ServingError, ValueError):
     """An OpenAI parameter this server does not implement, set to a non-default value (400)."""
 
@@ -130,6 +135,7 @@ STATUS: Mapping[type[BaseException], int] = {
     core.BackendUnavailableError: 503,
     RegistryDivergedError: 503,
     QueueFullError: 503,
+    ReplicaLostError: 503,
     KVCacheFullError: 503,
     EngineFullError: 503,
     EngineClosedError: 503,

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
 
-from loadtest.launch import REPO, ServeProcess, served
+from loadtest.launch import APP_REPLICAS, REPO, ServeProcess, replica_pids, served
 
 openai = pytest.importorskip("openai")
 ADMIN = {"Authorization": "Bearer completions-secret"}
@@ -366,3 +370,87 @@ def test_echo_logprobs_equal_transformers_loglikelihood(
         model=model_id, prompt="The quick", max_tokens=3, echo=True, temperature=0
     )
     assert more.choices[0].text.startswith("The quick")
+
+
+def test_a_client_that_hangs_up_stops_its_generation(server: ServeProcess, model_id: str) -> None:
+    """Through the gateway too: its relay is cancelled, and the replica's engine frees the slot
+    at the next step instead of making the remaining tokens for no one."""
+
+    def tokens_made() -> int:
+        return int(httpx.get(f"{server.url}/v1/stats", timeout=30).json()["total"]["llm_tokens"])
+
+    before = tokens_made()
+    body = {"model": model_id, "prompt": "Hang up", "max_tokens": 100, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as answer:
+        assert next(line for line in answer.iter_lines() if line).startswith("data: {")
+    time.sleep(3)  # the whole answer takes about as long on this model
+    made = tokens_made() - before
+    assert 1 <= made < 50, f"{made} of 100 tokens made after the client left"
+
+
+def test_a_replica_killed_mid_answer_costs_the_clients_nothing(
+    server: ServeProcess, model_id: str
+) -> None:
+    """Last in the module: SIGKILLs the only replica while two streams, a chat stream and a plain
+    completion are in flight. The gateway (serving/gateway.py) sends each to the replica Serve
+    starts in its place, and every client gets its whole answer, as it would have without the
+    kill: the same text as the unbroken answer, one id, one [DONE]. The sampled stream without a
+    seed is one the gateway seeded, or its replay would differ (and end with an error event)."""
+    url = f"{server.url}/v1"
+    seeded = {"model": model_id, "prompt": "Once upon", "max_tokens": 100, "seed": 11}
+    unseeded = {"model": model_id, "prompt": "Far away", "max_tokens": 100, "temperature": 1.0}
+    plain = {"model": model_id, "prompt": "Plainly", "max_tokens": 100, "temperature": 0}
+    chat = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 80,
+        "temperature": 0,
+    }
+    expected = {
+        "completions": httpx.post(f"{url}/completions", json=seeded, timeout=60).json(),
+        "plain": httpx.post(f"{url}/completions", json=plain, timeout=60).json(),
+        "chat": httpx.post(f"{url}/chat/completions", json=chat, timeout=60).json(),
+    }
+    (victim,) = replica_pids(APP_REPLICAS)
+    with ThreadPoolExecutor(1) as pool, ExitStack() as streams:
+        opened = {
+            name: streams.enter_context(
+                httpx.stream("POST", f"{url}/{route}", json={**body, "stream": True}, timeout=180)
+            ).iter_lines()
+            for name, route, body in (
+                ("completions", "completions", seeded),
+                ("unseeded", "completions", unseeded),
+                ("chat", "chat/completions", chat),
+            )
+        }
+        firsts = {name: next(line for line in lines if line) for name, lines in opened.items()}
+        answer = pool.submit(httpx.post, f"{url}/completions", json=plain, timeout=180)
+        time.sleep(0.2)  # the plain request reaches the replica
+        os.kill(victim, signal.SIGKILL)
+        events = {
+            name: [
+                json.loads(e.removeprefix("data: ")) if e != "data: [DONE]" else None
+                for e in [firsts[name], *(line for line in lines if line)]
+            ]
+            for name, lines in opened.items()
+        }
+        plain_answer = answer.result()
+    assert replica_pids(APP_REPLICAS) not in ([], [victim])  # replaced
+    assert plain_answer.status_code == 200, plain_answer.text
+    assert plain_answer.json()["choices"] == expected["plain"]["choices"]
+    for name, got in events.items():
+        assert got[-1] is None and None not in got[:-1], f"{name}: one [DONE], at the end"
+        chunks = got[:-1]
+        assert not any("error" in c for c in chunks), f"{name}: {chunks[-1]}"
+        assert len({c["id"] for c in chunks}) == 1
+        if name == "chat":
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+            assert text == expected["chat"]["choices"][0]["message"]["content"]
+            continue
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+        assert reasons[-1] == "length" and not any(reasons[:-1])
+        if name == "completions":
+            assert text == expected["completions"]["choices"][0]["text"]
+    # The kill came mid-answer: the gateway said so, for every request in flight.
+    assert server.log_tail(200_000).count("its replica failed") >= 4

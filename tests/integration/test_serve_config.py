@@ -12,6 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from serving.app import AppArgs, Backend, GpuosIngress, build_app, replica_gpus
 from serving.config import ADMIN_TOKEN_ENV, STATE_DIR_ENV, CoalescerConfig
+from serving.gateway import CompletionsGateway, GatewayArgs, build_gateway
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = [REPO / "deployments" / name for name in ("llm.yaml", "multi.yaml", "llm-2gpu.yaml")]
@@ -20,21 +21,36 @@ CONFIGS = [REPO / "deployments" / name for name in ("llm.yaml", "multi.yaml", "l
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_name_the_builder_its_deployment_and_valid_knobs(path: Path) -> None:
     schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
-    (app_schema,) = schema.applications
-    module_name, attr = app_schema.import_path.split(":")
-    assert getattr(importlib.import_module(module_name), attr) is build_app
+    app_schema, *gateways = schema.applications
+    assert builder(app_schema.import_path) is build_app and app_schema.route_prefix == "/"
     # Serve rejects a config whose deployment names do not exist in the built app.
     (deployment,) = app_schema.deployments
     assert deployment.name == GpuosIngress.name
     AppArgs.model_validate(app_schema.args)
     CoalescerConfig.model_validate(deployment.user_config)
+    # Both completion routes go through a gateway to this app's replicas.
+    assert sorted(g.route_prefix for g in gateways) == ["/v1/chat/completions", "/v1/completions"]
+    for gateway in gateways:
+        assert builder(gateway.import_path) is build_gateway
+        args = GatewayArgs.model_validate(gateway.args)
+        assert (args.app, args.deployment) == (app_schema.name, GpuosIngress.name)
+        (relay,) = gateway.deployments
+        assert relay.name == CompletionsGateway.name and relay.ray_actor_options.num_gpus in (
+            None,
+            0,
+        )
+
+
+def builder(import_path: str) -> object:
+    module_name, attr = import_path.split(":")
+    return getattr(importlib.import_module(module_name), attr)
 
 
 def test_the_two_gpu_config_runs_two_replicas_of_one_gpu_each_on_cuda() -> None:
     schema = ServeDeploySchema.model_validate(
         yaml.safe_load((REPO / "deployments" / "llm-2gpu.yaml").read_text())
     )
-    (app_schema,) = schema.applications
+    app_schema = schema.applications[0]
     (deployment,) = app_schema.deployments
     assert deployment.num_replicas == 2
     # Serve takes a config's ray_actor_options whole, over what the app builder chose.

@@ -74,6 +74,7 @@ EXPECTED_STATUS = {  # the contract, class by class
     core.BackendUnavailableError: 503,
     serving_errors.RegistryDivergedError: 503,
     serving_errors.QueueFullError: 503,
+    serving_errors.ReplicaLostError: 503,
     KVCacheFullError: 503,
     EngineFullError: 503,
     EngineClosedError: 503,

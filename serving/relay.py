@@ -1,0 +1,111 @@
+"""An HTTP request carried through a DeploymentHandle instead of a socket: the completions gateway
+(serving/gateway.py) sends a `RelayRequest` to a replica, whose `relay` method runs it through the
+replica's own ASGI app (`relayed`) and streams back a `RelayHead` and then the body's bytes. So a
+relayed request meets the same routes, validation, limits and error answers as one sent to the
+replica over HTTP, and nothing about completions is written twice.
+
+Imports no torch and no Ray: the gateway process stays small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message
+
+Headers = list[tuple[bytes, bytes]]
+log = logging.getLogger("gpuos.serving")
+
+
+@dataclass(frozen=True)
+class RelayRequest:
+    """What a client sent: method, path (the full path, query apart), headers and whole body."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: Headers
+    body: bytes
+
+
+@dataclass(frozen=True)
+class RelayHead:
+    """The response's status line and headers; the first item a relay yields."""
+
+    status: int
+    headers: Headers
+
+
+async def relayed(app: ASGIApp, request: RelayRequest) -> AsyncIterator[RelayHead | bytes]:
+    """Run `request` through `app`: its head, then its body in pieces (what the app sent since
+    the last piece, joined, so a busy replica yields fewer, larger pieces). Closing the iterator
+    (the caller went away) cancels the app as a client disconnect would: a completion in flight
+    frees its engine slot."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": "http",
+        "path": request.path,
+        "raw_path": request.path.encode(),
+        "root_path": "",
+        "query_string": request.query,
+        "headers": request.headers,
+        "client": None,
+        "server": None,
+    }
+    sent: asyncio.Queue[Message | None] = asyncio.Queue()
+    body_given = False
+
+    async def receive() -> Message:
+        nonlocal body_given
+        if not body_given:
+            body_given = True
+            return {"type": "http.request", "body": request.body, "more_body": False}
+        return await no_disconnect()
+
+    def ended(task: asyncio.Future[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # Starlette answered 500 and re-raised for the server to log, as uvicorn would.
+            log.error(
+                "relayed %s %s failed", request.method, request.path, exc_info=task.exception()
+            )
+        sent.put_nowait(None)
+
+    task = asyncio.ensure_future(app(scope, receive, sent.put))
+    task.add_done_callback(ended)
+    try:
+        async for item in _items(sent):
+            yield item
+    finally:
+        task.cancel()
+
+
+async def no_disconnect() -> Message:
+    """A `receive` with nothing more to report: it waits until cancelled (the response ended)."""
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+async def _items(sent: asyncio.Queue[Message | None]) -> AsyncIterator[RelayHead | bytes]:
+    """The app's messages as a head and body pieces, until its last body message (or its end)."""
+    while (message := await sent.get()) is not None:
+        if message["type"] == "http.response.start":
+            yield RelayHead(message["status"], list(message.get("headers", [])))
+            continue
+        pieces, more = [message.get("body", b"")], message.get("more_body", False)
+        while more and not sent.empty():  # join what else is already waiting
+            following = sent.get_nowait()
+            if following is None:
+                more = False
+                break
+            pieces.append(following.get("body", b""))
+            more = following.get("more_body", False)
+        if any(pieces):
+            yield b"".join(pieces)
+        if not more:
+            return

@@ -1,0 +1,263 @@
+"""The completions gateway without Serve: how it splices a replayed answer onto what the client
+already has (serving/gateway.py's Splice), how it seeds requests, and the relay of a request
+through a replica's ASGI app (serving/relay.py). The gateway under Serve, with a replica killed
+mid-stream, is tested in tests/integration/test_completions.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from starlette.types import Message
+
+from serving.errors import ReplicaLostError
+from serving.gateway import Diverged, Refused, Splice, with_seed
+from serving.relay import RelayHead, RelayRequest, relayed
+
+SSE = RelayHead(200, [(b"content-type", b"text/event-stream; charset=utf-8")])
+JSON = RelayHead(200, [(b"content-type", b"application/json")])
+TEXTS = ["Once", " upon", "", " a time", " there", " was", "."]
+
+
+def completion_events(ident: str, texts: Sequence[str], usage: bool = True) -> list[bytes]:
+    """A streamed completion as a replica writes it: an event per text (the last one finishing),
+    the usage event, [DONE]."""
+    head = {"id": ident, "object": "text_completion", "created": hash(ident) % 1000, "model": "m"}
+    out = []
+    for i, text in enumerate(texts):
+        finish = "length" if i == len(texts) - 1 else None
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+        out.append({**head, "choices": [choice]})
+    if usage:
+        out.append({**head, "choices": [], "usage": {"completion_tokens": len(texts)}})
+    return [f"data: {json.dumps(e)}\n\n".encode() for e in out] + [b"data: [DONE]\n\n"]
+
+
+def chat_events(ident: str, texts: Sequence[str]) -> list[bytes]:
+    head = {"id": ident, "created": 7, "model": "m", "object": "chat.completion.chunk"}
+    out = []
+    for i, text in enumerate(texts):
+        delta = {"role": "assistant", "content": text} if i == 0 else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        out.append(f"data: {json.dumps({**head, 'choices': [choice]})}\n\n".encode())
+    return [*out, b"data: [DONE]\n\n"]
+
+
+class Client:
+    """What a splice sends: the ASGI messages a client's connection would carry."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+
+    async def __call__(self, message: Message) -> None:
+        self.messages.append(message)
+
+    @property
+    def status(self) -> int:
+        (start,) = [m for m in self.messages if m["type"] == "http.response.start"]
+        return int(start["status"])
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages[1:])
+
+    @property
+    def ended(self) -> bool:
+        last = self.messages[-1]
+        return last["type"] == "http.response.body" and not last.get("more_body", False)
+
+
+def pieces(data: bytes, seed: int) -> list[bytes]:
+    """`data` cut at random places (a relay's pieces need not end at events)."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(data)), min(12, len(data) - 1)))
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+
+
+async def attempt(splice: Splice, head: RelayHead, body: Sequence[bytes]) -> None:
+    splice.take_head(head)
+    for piece in body:
+        await splice.take_body(piece)
+
+
+@pytest.mark.parametrize("cut", [1, 3, 5, 8])
+def test_a_replay_continues_a_stream_exactly_where_the_client_was(cut: int) -> None:
+    whole = completion_events("cmpl-first", TEXTS)
+    client = Client()
+
+    async def run() -> None:
+        splice = Splice(client)
+        first = b"".join(whole[:cut]) + whole[cut][:10]  # the replica died mid-event
+        await attempt(splice, SSE, pieces(first, cut))
+        assert splice.resumable
+        splice.restart()
+        replay = b"".join(completion_events("cmpl-second", TEXTS))  # its own id and time
+        await attempt(splice, SSE, pieces(replay, cut + 1))
+        await splice.finish()
+
+    asyncio.run(run())
+    # The client's stream is the one an unbroken answer would have been, byte for byte.
+    assert client.status == 200 and client.body == b"".join(whole) and client.ended
+
+
+def test_a_chat_replay_sends_the_role_and_the_words_once() -> None:
+    whole = chat_events("chatcmpl-1", TEXTS)
+    client = Client()
+
+    async def run() -> None:
+        splice = Splice(client)
+        await attempt(splice, SSE, whole[:2])
+        splice.restart()
+        await attempt(splice, SSE, chat_events("chatcmpl-2", TEXTS))
+        await splice.finish()
+
+    asyncio.run(run())
+    assert client.body == b"".join(whole)
+
+
+def test_choices_replayed_in_another_order_each_continue_where_they_were() -> None:
+    """Several prompts' events interleave as their tokens come, which differs between attempts."""
+
+    def events(ident: str, order: Sequence[tuple[int, str]]) -> list[bytes]:
+        head = {"id": ident, "created": 1}
+        return [
+            f"data: {json.dumps({**head, 'choices': [{'text': t, 'index': i}]})}\n\n".encode()
+            for i, t in order
+        ]
+
+    first = [(0, "a"), (1, "x"), (0, "b")]
+    replay = [(1, "x"), (1, "y"), (0, "a"), (0, "b"), (0, "c"), (1, "z")]
+    client = Client()
+
+    async def run() -> None:
+        splice = Splice(client)
+        await attempt(splice, SSE, events("one", first))
+        splice.restart()
+        await attempt(splice, SSE, events("two", replay))
+
+    asyncio.run(run())
+    got = [json.loads(e.removeprefix(b"data: ")) for e in client.body.split(b"\n\n") if e]
+    assert {e["id"] for e in got} == {"one"}
+    by_choice = {
+        i: "".join(e["choices"][0]["text"] for e in got if e["choices"][0]["index"] == i)
+        for i in (0, 1)
+    }
+    assert by_choice == {0: "abc", 1: "xyz"}
+
+
+def test_a_replay_that_differs_from_what_was_sent_is_refused() -> None:
+    async def run() -> None:
+        splice = Splice(Client())
+        await attempt(splice, SSE, completion_events("a", TEXTS)[:3])
+        splice.restart()
+        await attempt(splice, SSE, completion_events("b", ["Once", " UPON", "", " a time"]))
+
+    with pytest.raises(Diverged, match="UPON"):
+        asyncio.run(run())
+
+
+def test_a_first_answer_passes_whatever_its_status_but_a_replay_must_be_200() -> None:
+    busy = RelayHead(503, [(b"content-type", b"application/json"), (b"retry-after", b"1")])
+    client = Client()
+
+    async def run() -> None:
+        splice = Splice(client)
+        await attempt(splice, busy, [b'{"error": {}}'])
+        await splice.finish()
+        streaming = Splice(Client())
+        await attempt(streaming, SSE, completion_events("a", TEXTS)[:2])
+        streaming.restart()
+        with pytest.raises(Refused, match="503"):
+            streaming.take_head(busy)
+
+    asyncio.run(run())
+    assert client.status == 503 and client.body == b'{"error": {}}' and client.ended
+
+
+def test_a_json_answer_or_a_stream_past_its_end_is_not_sent_again() -> None:
+    async def run() -> None:
+        plain = Splice(Client())
+        assert plain.resumable  # nothing sent: ask again
+        await attempt(plain, JSON, [b'{"choices": []}'])
+        assert not plain.resumable
+        stream = Splice(Client())
+        await attempt(stream, SSE, completion_events("a", TEXTS))
+        assert not stream.resumable  # [DONE] went out: only the response's end is left
+
+    asyncio.run(run())
+
+
+def test_a_failure_is_an_openai_error_before_the_stream_and_an_error_event_in_it() -> None:
+    lost = ReplicaLostError("no replica finished it within 120 s; send the request again")
+    before, during = Client(), Client()
+
+    async def run() -> None:
+        await Splice(before).fail(lost)
+        splice = Splice(during)
+        await attempt(splice, SSE, completion_events("a", TEXTS)[:2])
+        await splice.fail(lost)
+
+    asyncio.run(run())
+    assert before.status == 503 and before.ended
+    assert json.loads(before.body)["error"]["message"].startswith("no replica finished it")
+    assert (b"retry-after", b"1") in before.messages[0]["headers"]
+    *_, error, done = [e for e in during.body.split(b"\n\n") if e]
+    assert json.loads(error.removeprefix(b"data: "))["error"]["type"] == "server_busy"
+    assert done == b"data: [DONE]" and during.status == 200 and during.ended
+
+
+def test_requests_without_a_seed_get_one_and_others_are_left_alone() -> None:
+    seeded = json.loads(with_seed(b'{"model": "m", "prompt": "hi"}'))
+    assert isinstance(seeded["seed"], int) and 0 <= seeded["seed"] < 2**63
+    assert json.loads(with_seed(b'{"prompt": "hi", "seed": null}'))["seed"] is not None
+    assert with_seed(b'{"prompt": "hi", "seed": 5}') == b'{"prompt": "hi", "seed": 5}'
+    for body in (b"not json", b"[1, 2]", b"\xff\xfe", b"[" * 100_000):
+        assert with_seed(body) == body  # the replica answers what is wrong with it
+
+
+def test_a_relayed_request_meets_the_app_and_a_closed_relay_stops_its_stream() -> None:
+    app = FastAPI()
+    stopped = asyncio.Event()
+
+    @app.post("/echo")
+    async def echo(body: dict[str, Any]) -> dict[str, Any]:
+        return {"got": body}
+
+    @app.post("/stream")
+    async def stream() -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            try:
+                for i in range(1000):
+                    yield f"data: {i}\n\n"
+                    await asyncio.sleep(0.001)
+            finally:
+                stopped.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def request(path: str, body: bytes) -> RelayRequest:
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        return RelayRequest("POST", path, b"", headers, body)
+
+    async def run() -> tuple[list[RelayHead | bytes], list[RelayHead | bytes]]:
+        answered = [item async for item in relayed(app, request("/echo", b'{"a": 1}'))]
+        bad = [item async for item in relayed(app, request("/echo", b"{"))]
+        streamed = relayed(app, request("/stream", b""))
+        head = await anext(streamed)
+        assert isinstance(head, RelayHead) and head.status == 200
+        assert (await anext(streamed)).startswith(b"data: 0")  # type: ignore[union-attr]
+        await streamed.aclose()  # the gateway's client went away
+        await asyncio.wait_for(stopped.wait(), 5)
+        return answered, bad
+
+    answered, bad = asyncio.run(run())
+    head, *body = answered
+    assert isinstance(head, RelayHead) and head.status == 200
+    assert json.loads(b"".join(body)) == {"got": {"a": 1}}  # type: ignore[arg-type]
+    assert isinstance(bad[0], RelayHead) and bad[0].status == 422
