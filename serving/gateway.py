@@ -91,7 +91,9 @@ class Splice:
 
     Feed it each attempt's head and body pieces; it sends the client the head once, then what is
     new: the first attempt's body as it comes, a replay's without the events already sent (and with
-    the first attempt's id and created time). `restart` before each replay."""
+    the first attempt's id and created time). `restart` before each replay. The first attempt's
+    events are forwarded as they are and only kept: they are read (JSON) when a replay needs to
+    know what they held, which keeps the common case to one copy per piece."""
 
     send: Send
     head: RelayHead | None = None  # the current attempt's, held until its body begins
@@ -103,6 +105,8 @@ class Splice:
     sent: dict[int, list[str]] = field(default_factory=dict)  # choice -> texts of its events sent
     seen: dict[int, int] = field(default_factory=dict)  # choice -> its events in this attempt
     carry: bytes = b""  # an event not yet complete
+    replaying: bool = False  # an attempt after the first
+    history: list[bytes] = field(default_factory=list)  # the first attempt's events, as sent
 
     @property
     def resumable(self) -> bool:
@@ -112,6 +116,10 @@ class Splice:
 
     def restart(self) -> None:
         """Forget the current attempt: the next one starts from its beginning."""
+        for event in b"".join(self.history).split(b"\n\n"):  # what the client has, by choice
+            if event:
+                self._event(event)
+        self.history, self.replaying = [], True
         self.head, self.seen, self.carry = None, {}, b""
 
     def take_head(self, head: RelayHead) -> None:
@@ -127,6 +135,13 @@ class Splice:
         if not self.events:
             await self._body(piece)
             self.closed = True
+            return
+        if not self.replaying:  # forward whole events as they are; keep them for a replay
+            events, end, self.carry = (self.carry + piece).rpartition(b"\n\n")
+            if end:
+                self.history.append(events + end)
+                self.closed = self.closed or events.endswith(b"data: [DONE]")
+                await self._body(events + end)
             return
         *whole, self.carry = (self.carry + piece).split(b"\n\n")
         out = b"".join(self._event(e) for e in whole if e)
