@@ -61,6 +61,7 @@ log = logging.getLogger("gpuos.serving")
 # The replica went away (its actor died or is unreachable) or none is there yet: ask again.
 GONE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade"}
+HISTORY_BYTES = 1 << 20  # events of an answer kept unread at most (see Splice)
 INLINE_BYTES = 65536  # bodies up to this are seeded on the event loop, larger ones in a thread
 BACKOFF_S = (0.05, 0.1, 0.25, 0.5, 1.0)  # between attempts; the last one repeats
 
@@ -93,7 +94,8 @@ class Splice:
     new: the first attempt's body as it comes, a replay's without the events already sent (and with
     the first attempt's id and created time). `restart` before each replay. The first attempt's
     events are forwarded as they are and only kept: they are read (JSON) when a replay needs to
-    know what they held, which keeps the common case to one copy per piece."""
+    know what they held, which keeps the common case to one copy per piece. Past HISTORY_BYTES
+    they are read at once and the rest as they come, so that a long answer keeps only its text."""
 
     send: Send
     head: RelayHead | None = None  # the current attempt's, held until its body begins
@@ -105,8 +107,9 @@ class Splice:
     sent: dict[int, list[str]] = field(default_factory=dict)  # choice -> texts of its events sent
     seen: dict[int, int] = field(default_factory=dict)  # choice -> its events in this attempt
     carry: bytes = b""  # an event not yet complete
-    replaying: bool = False  # an attempt after the first
-    history: list[bytes] = field(default_factory=list)  # the first attempt's events, as sent
+    reading: bool = False  # events are read as they come (a replay, or a long first attempt)
+    history: list[bytes] = field(default_factory=list)  # events sent and not read yet
+    kept: int = 0  # bytes in `history`
 
     @property
     def resumable(self) -> bool:
@@ -116,10 +119,7 @@ class Splice:
 
     def restart(self) -> None:
         """Forget the current attempt: the next one starts from its beginning."""
-        for event in b"".join(self.history).split(b"\n\n"):  # what the client has, by choice
-            if event:
-                self._event(event)
-        self.history, self.replaying = [], True
+        self._read_history()
         self.head, self.seen, self.carry = None, {}, b""
 
     def take_head(self, head: RelayHead) -> None:
@@ -136,12 +136,15 @@ class Splice:
             await self._body(piece)
             self.closed = True
             return
-        if not self.replaying:  # forward whole events as they are; keep them for a replay
+        if not self.reading:  # forward whole events as they are; keep them for a replay
             events, end, self.carry = (self.carry + piece).rpartition(b"\n\n")
             if end:
                 self.history.append(events + end)
+                self.kept += len(events) + len(end)
                 self.closed = self.closed or events.endswith(b"data: [DONE]")
                 await self._body(events + end)
+                if self.kept > HISTORY_BYTES:
+                    self._read_history()
             return
         *whole, self.carry = (self.carry + piece).split(b"\n\n")
         out = b"".join(self._event(e) for e in whole if e)
@@ -169,6 +172,14 @@ class Splice:
             await self._body(b"data: " + event + b"\n\ndata: [DONE]\n\n")
             self.closed = True
         await self.finish()
+
+    def _read_history(self) -> None:
+        """Learn what the events sent so far held (texts by choice, the first id); read every
+        later event as it comes."""
+        for event in b"".join(self.history).split(b"\n\n"):
+            if event:
+                self._event(event)  # each one new: counted as seen and as sent
+        self.history, self.kept, self.reading = [], 0, True
 
     async def _start(self) -> None:
         if self.started:

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from starlette.types import Message
 
+from serving import gateway
 from serving.errors import ReplicaLostError
 from serving.gateway import Diverged, Refused, Splice, with_seed
 from serving.relay import RelayHead, RelayRequest, relayed
@@ -86,8 +87,14 @@ async def attempt(splice: Splice, head: RelayHead, body: Sequence[bytes]) -> Non
         await splice.take_body(piece)
 
 
+@pytest.mark.parametrize("kept", [1 << 20, 300], ids=["kept", "read-as-they-come"])
 @pytest.mark.parametrize("cut", [1, 3, 5, 8])
-def test_a_replay_continues_a_stream_exactly_where_the_client_was(cut: int) -> None:
+def test_a_replay_continues_a_stream_exactly_where_the_client_was(
+    cut: int, kept: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether the first attempt's events were kept as sent or (a long answer: past
+    HISTORY_BYTES) read as they came."""
+    monkeypatch.setattr(gateway, "HISTORY_BYTES", kept)
     whole = completion_events("cmpl-first", TEXTS)
     client = Client()
 
@@ -95,7 +102,7 @@ def test_a_replay_continues_a_stream_exactly_where_the_client_was(cut: int) -> N
         splice = Splice(client)
         first = b"".join(whole[:cut]) + whole[cut][:10]  # the replica died mid-event
         await attempt(splice, SSE, pieces(first, cut))
-        assert splice.resumable
+        assert splice.resumable and splice.kept <= kept + max(len(e) for e in whole)
         splice.restart()
         replay = b"".join(completion_events("cmpl-second", TEXTS))  # its own id and time
         await attempt(splice, SSE, pieces(replay, cut + 1))
