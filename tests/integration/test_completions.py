@@ -449,7 +449,9 @@ def test_a_replica_killed_mid_answer_costs_the_clients_nothing(
             continue
         text = "".join(c["choices"][0]["text"] for c in chunks)
         reasons = [c["choices"][0]["finish_reason"] for c in chunks]
-        assert reasons[-1] == "length" and not any(reasons[:-1])
+        assert reasons[-1] in ("stop", "length") and not any(
+            reasons[:-1]
+        )  # sampled: eos may end it
         if name == "completions":
             assert text == expected["completions"]["choices"][0]["text"]
     # The kill came mid-answer: the gateway said so, for every request in flight.
