@@ -271,10 +271,8 @@ class Gateway:
 
     def __init__(self, args: GatewayArgs, target: Callable[[], DeploymentHandle]) -> None:
         self.args, self.target = args, target
-        self.resumed = Counter(
-            "gpuos_gateway_resumed",
-            "answers whose replica failed, sent again to another (by route)",
-            tag_keys=("route",),
+        self.resumed = Counter(  # Serve adds the application: completions or chat
+            "gpuos_gateway_resumed", "answers whose replica failed, sent again to another"
         )
         self.lost = Counter(
             "gpuos_gateway_lost",
@@ -359,7 +357,7 @@ class Gateway:
                     type(failure).__name__,
                     failure,
                 )
-                self.resumed.inc(tags={"route": request.path})
+                self.resumed.inc()
             await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
             attempt += 1
             splice.restart()
