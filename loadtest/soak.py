@@ -11,7 +11,8 @@ resident memory and, where nvidia-smi exists, each one's GPU memory and the GPU'
 --sample-s seconds. Load shed as the API promises (503 with Retry-After, 504) is counted apart
 (locustfile's --shed-ok); anything else that is not a checked 200 is a failure, a stream the kill
 cut included (behind HAProxy, the default ingress, requests the killed replica had not answered
-are replayed on the other one: loadtest/launch.py). The default load is twice the saturating
+are replayed on the other one: loadtest/launch.py; completions, streams begun included, are sent
+again by the completions gateway: serving/gateway.py). The default load is twice the saturating
 one: one replica's micro-op throughput grows only 12% from 64 to 256 users (1794 to 2016 req/s,
 loadtest/results/compare-h200-2dc9c63), so two saturate at about 128.
 

@@ -53,7 +53,7 @@ from .errors import (
     openai_body,
     status_of,
 )
-from .relay import Headers, RelayHead, RelayRequest, no_disconnect
+from .relay import Headers, RelayHead, RelayRequest, header, no_disconnect
 from .routes import BodyLimit
 
 __all__ = ["CompletionsGateway", "GatewayArgs", "Splice", "build_gateway", "with_seed"]
@@ -194,7 +194,8 @@ class Splice:
             }
         )
         self.started = True
-        self.events = _content_type(self.head.headers).startswith(b"text/event-stream")
+        kind = header(self.head.headers, b"content-type") or b""
+        self.events = kind.startswith(b"text/event-stream")
 
     def _event(self, event: bytes) -> bytes:
         """What of one event the client gets: all of it, the choices it does not have yet, or
@@ -248,10 +249,6 @@ def _text(choice: dict[str, Any]) -> str:
         delta = choice["delta"] or {}
         return f"{delta.get('role') or ''}:{delta.get('content') or ''}"
     return str(choice.get("text") or "")
-
-
-def _content_type(headers: Headers) -> bytes:
-    return next((v for k, v in headers if k.lower() == b"content-type"), b"")
 
 
 def with_seed(body: bytes) -> bytes:

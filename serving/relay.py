@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from starlette.types import ASGIApp, Message
+from starlette.types import ASGIApp, Message, Receive
 
 Headers = list[tuple[bytes, bytes]]
 log = logging.getLogger("gpuos.serving")
@@ -59,14 +59,6 @@ async def relayed(app: ASGIApp, request: RelayRequest) -> AsyncIterator[RelayHea
         "server": None,
     }
     sent: asyncio.Queue[Message | None] = asyncio.Queue()
-    body_given = False
-
-    async def receive() -> Message:
-        nonlocal body_given
-        if not body_given:
-            body_given = True
-            return {"type": "http.request", "body": request.body, "more_body": False}
-        return await no_disconnect()
 
     def ended(task: asyncio.Future[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -76,13 +68,32 @@ async def relayed(app: ASGIApp, request: RelayRequest) -> AsyncIterator[RelayHea
             )
         sent.put_nowait(None)
 
-    task = asyncio.ensure_future(app(scope, receive, sent.put))
+    task = asyncio.ensure_future(app(scope, body_then(request.body, no_disconnect), sent.put))
     task.add_done_callback(ended)
     try:
         async for item in _items(sent):
             yield item
     finally:
         task.cancel()
+
+
+def body_then(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands out `body` whole, once, then waits on `receive` (disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def header(headers: Headers, name: bytes) -> bytes | None:
+    """The value of header `name` (lower case, as ASGI gives names), None when absent."""
+    return next((value for key, value in headers if key == name), None)
 
 
 async def no_disconnect() -> Message:

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.routing import compile_path
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpuos_core import GpuosError, Runtime, TaskFailedError
 from gpuos_core.canary import Comparison
@@ -49,6 +49,7 @@ from .errors import (
 from .jsonfast import json_answer
 from .metrics import CONTENT_TYPE, ReplicaMetrics, exposition
 from .registry import ChangeNote, ReplicaRegistry
+from .relay import body_then, header
 from .schemas import (
     AdminOp,
     BatchCall,
@@ -192,7 +193,7 @@ class BodyLimit:
             await error_response(exc, scope["path"])(scope, receive, send)
             return
         if body is not None:  # None: the client went away
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, body_then(body, receive), send)
 
 
 async def _read_body(receive: Receive, limit: int, declared: int) -> bytes | None:
@@ -213,25 +214,9 @@ async def _read_body(receive: Receive, limit: int, declared: int) -> bytes | Non
         more = message.get("more_body", False)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that hands out `body` once, then waits on the real one (disconnects)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
-
-
 def _content_length(scope: Scope) -> int:
-    for key, value in scope["headers"]:
-        if key == b"content-length":
-            return int(value) if value.isdigit() else 0
-    return 0
+    value = header(scope["headers"], b"content-length") or b""
+    return int(value) if value.isdigit() else 0
 
 
 class HotPaths:
@@ -261,7 +246,7 @@ class HotPaths:
                 else await asyncio.to_thread(model.model_validate_json, body)
             )
         except pydantic.ValidationError:  # rare: the route's own words for what is wrong
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, body_then(body, receive), send)
             return
         try:
             if isinstance(request, BatchRequest):
@@ -289,10 +274,8 @@ def _hot_route(scope: Scope) -> tuple[type[OpRequest] | type[BatchRequest], str]
 
 
 def _json_content(scope: Scope) -> bool:
-    for key, value in scope["headers"]:
-        if key == b"content-type":
-            return value.partition(b";")[0].strip().lower() == b"application/json"
-    return True
+    value = header(scope["headers"], b"content-type")
+    return value is None or value.partition(b";")[0].strip().lower() == b"application/json"
 
 
 class _JsonRequest(Request):

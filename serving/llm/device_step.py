@@ -65,12 +65,13 @@ class Layout:
     prefill: tuple[int, ...]  # per group of a longer span, largest first: its rows
 
     @classmethod
-    def of(cls, spans: Sequence[Span], slots: int) -> Layout:
-        """The layout of `spans` in a pool of `slots`: decode rows rounded up to a power of two
-        (at most `slots`), so that a request joining or leaving rarely needs a new program."""
+    def of(cls, spans: Sequence[Span], slots: int, order: Sequence[int]) -> Layout:
+        """The layout of `spans` in a pool of `slots` (`order`: prefill_order(spans)): decode
+        rows rounded up to a power of two (at most `slots`), so that a request joining or leaving
+        rarely needs a new program."""
         singles = [s.slot for s in spans if len(s.tokens) == 1]
         decode = decode_rows(max(singles) + 1, slots) if singles else 0
-        return cls(decode, tuple(padded(len(spans[i].tokens)) for i in prefill_order(spans)))
+        return cls(decode, tuple(padded(len(spans[i].tokens)) for i in order))
 
     @classmethod
     def decoding(cls, slots: int) -> list[Layout]:
@@ -388,15 +389,16 @@ class StepProgram:
         self,
         rt: Runtime,
         spans: Sequence[Span],
+        order: Sequence[int],
         params: torch.Tensor,
         rng: torch.Tensor,
         keep_logits: bool,
         timeout: float,
         expect: int,
     ) -> Launched:
-        """Write the step's inputs (`expect`: the clock value of the previous step's tick) and
-        submit the program; the result waits for it and reads back the spans' tokens."""
-        order = prefill_order(spans)
+        """Write the step's inputs (`order`: prefill_order(spans); `expect`: the clock value of
+        the previous step's tick) and submit the program; the result waits for it and reads back
+        the spans' tokens."""
         places = np.array(self.layout.places(spans, order), dtype=np.int64).reshape(-1, 2)
         self.inputs.write(spans, places, self.max_len, params, rng, expect)
         if self.binding is not None:

@@ -41,7 +41,15 @@ import torch
 from gpuos_core import Runtime
 from gpuos_core.errors import GpuosError
 from gpuos_core.sampler import rng_rows, sample_rows
-from serving.llm.device_step import Launched, Layout, StepChain, StepProgram, StepResult, fed
+from serving.llm.device_step import (
+    Launched,
+    Layout,
+    StepChain,
+    StepProgram,
+    StepResult,
+    fed,
+    prefill_order,
+)
 from serving.llm.forward import Span, TorchOps, forward
 from serving.llm.model import KVPool, Model, rotary_cos_sin
 from serving.llm.sampling import SamplingParams, StopMatcher
@@ -269,10 +277,10 @@ class _ProgramForward:
     def start(
         self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool
     ) -> Launched:
-        layout = Layout.of(spans, self.kv.slots)
-        program = self._program(layout, self.chain.parity)
+        order = prefill_order(spans)  # the layout and the step's inputs both follow it
+        program = self._program(Layout.of(spans, self.kv.slots, order), self.chain.parity)
         expect = self.chain.next()
-        self._last = program.start(self.runtime, spans, params, rng, keep_logits, 60, expect)
+        self._last = program.start(self.runtime, spans, order, params, rng, keep_logits, 60, expect)
         return self._last
 
     def resync(self) -> None:
