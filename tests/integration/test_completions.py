@@ -44,6 +44,7 @@ def server(tmp: Path) -> Iterator[ServeProcess]:
             "admin_token": ADMIN["Authorization"].removeprefix("Bearer "),
         },
         ready="/v1/models",
+        env={"RAY_DEDUP_LOGS": "0"},  # every replica log line in the log, as its replica wrote it
     ) as process:
         yield process
 
@@ -454,5 +455,7 @@ def test_a_replica_killed_mid_answer_costs_the_clients_nothing(
         )  # sampled: eos may end it
         if name == "completions":
             assert text == expected["completions"]["choices"][0]["text"]
-    # The kill came mid-answer: the gateway said so, for every request in flight.
-    assert server.log_tail(200_000).count("its replica failed") >= 4
+    # The kill came mid-answer: the gateway said so for each of the reproducible three, whose
+    # answers (their references') outlast it. The unseeded stream may draw eos before the kill.
+    assert all(e["usage"]["completion_tokens"] >= 50 for e in expected.values())
+    assert server.log_tail(200_000).count("its replica failed") >= 3
