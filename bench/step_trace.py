@@ -30,7 +30,7 @@ from llm import make_model  # bench/ is the script's directory
 from gpuos_core import OpCall, Runtime, RuntimeConfig
 from gpuos_core.config import CudaConfig
 from gpuos_core.program import Program
-from serving.llm.device_step import Layout, StepChain, StepProgram, prefill_order
+from serving.llm.device_step import Layout, StepChain, StepProgram
 from serving.llm.forward import Span
 from serving.llm.model import KVPool
 
@@ -221,13 +221,11 @@ def step(rt: Runtime, shape: str, rows: int, where: Path) -> Program:
     pool.values.normal_()
     spans = [Span(slot, 64, (1,)) for slot in range(rows)]
     chain = StepChain(2 * rows, rt.device)
-    order = prefill_order(spans)
-    sp = StepProgram(rt, model, pool, Layout.of(spans, rows, order), None, chain, parity=0)
+    sp = StepProgram(rt, model, pool, Layout.of(spans, rows), None, chain, parity=0)
     params = torch.zeros(rows, 3)
     rng = torch.zeros(rows, 3, dtype=torch.int32)
-    places = np.array(sp.layout.places(spans, order), dtype=np.int64).reshape(-1, 2)
     # every run waits for a clock value of 0 (its own ticks only move the clock past it)
-    sp.inputs.write(spans, places, pool.max_len, params, rng, expect=0)
+    sp.inputs.write(spans, sp.layout.place(spans), pool.max_len, params, rng, expect=0)
     return sp.program
 
 

@@ -3,19 +3,19 @@ sampling; the step's inputs in one int32 device buffer that the host rewrites wi
 
 Rows of a step (its `Layout`): rows 0..decode-1 are one per KV slot 0..decode-1 (a request with
 one row this step sits at its slot's row; the others idle: token -1, no KV write, KV length 0),
-then a group of rows per longer span (prefill chunks), largest first. A group has `padded(n)`
-rows for a span of n tokens: idle rows, then the span's tokens, so its last row is the span's
-last. Logits rows: every decode row, then each group's last row. A program depends only on its
-layout (the decode-row count, and the sizes of the groups), so steady decoding reuses one
-program per power-of-two count of decode rows, and prefill chunks of nearby sizes, in any order,
-reuse one whatever their slots: a prefill span's attention reads its slot's keys and values
-through addresses each step rebinds (`Program.rebind`). A program build takes ~0.2 s on the H200
-(the step waits for it), and a group's idle rows cost little: below a few hundred rows a
-linear's time is the weights' read, whatever the row count.
+then `groups` groups of GROUP_ROWS rows. A longer span (a prefill chunk) takes ceil(n /
+GROUP_ROWS) groups in a row, its tokens first and idle rows after them; each group's attention
+reads the keys and values of the slot its span has this step, through addresses the step
+rebinds (`Program.rebind`), and idle groups read slot 0 with nothing to attend. Which row each
+logits row takes is a step input too: a decode row's own, then each longer span's last row. So
+a program depends only on two counts: decode rows (a power of two) and groups (`bucket`).
+Whatever the spans' slots, lengths and order, a replica meets a few layouts, kept built (a build
+takes ~0.2 s on the H200 for the GPT-2-small shape, and the step waits for it); idle rows cost
+little, as below a few hundred rows a linear's time is the weights' read, whatever the row count.
 
-What changes per step (token ids, positions, KV rows and lengths, sampling parameters and
-Philox counters) lives in `StepInputs`; operator versions resolve at each submit, so a hot swap
-reaches the next step.
+What changes per step (token ids, positions, KV rows and lengths, the logits rows, sampling
+parameters and Philox counters) lives in `StepInputs`; operator versions resolve at each submit,
+so a hot swap reaches the next step.
 
 Steps chain on the device (`StepChain`), so the host queues step k + 1 while step k runs: every
 program begins with `feed_tokens`, which waits for the previous step's `tick` (its last task) and
@@ -40,6 +40,7 @@ from serving.llm.forward import Span, forward
 from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
 
 IDLE = -1  # token, position and KV row of an idle row (gather_rows yields zeros, scatter skips)
+GROUP_ROWS = 16  # rows of a group: a longer span takes ceil(n / GROUP_ROWS) of them
 
 
 def fed(pick: int) -> int:
@@ -48,13 +49,25 @@ def fed(pick: int) -> int:
     return -2 - pick
 
 
-def padded(n: int) -> int:
-    """Rows of the group of a prefill span of `n` (>= 2) tokens: a power of two up to 16, then a
-    multiple of 16 up to 128, of 64 up to 512, of 128 beyond."""
-    if n <= 16:
-        return 1 << (n - 1).bit_length()
-    step = 16 if n <= 128 else 64 if n <= 512 else 128
-    return -(-n // step) * step
+def power_of_two(n: int) -> int:
+    """The least power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+def bucket(n: int) -> int:
+    """The least of 1, 2, 3, 4, 6, 8, 12, ... (2^k and 3 * 2^k) >= n (n >= 1): a count rounded up
+    by at most a third, from few values."""
+    return min(power_of_two(n), 3 * power_of_two(-(-n // 3)))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one step's spans sit in its layout's rows (Layout.place)."""
+
+    first: np.ndarray  # per span: its first row
+    pick: np.ndarray  # per span: its logits row
+    rows: np.ndarray  # per logits row: the row whose logits it takes (idle ones: row 0)
+    slots: np.ndarray  # per group: the KV slot its attention reads (idle ones: slot 0)
 
 
 @dataclass(frozen=True)
@@ -62,58 +75,64 @@ class Layout:
     """Where a step's spans sit: see the module docstring."""
 
     decode: int  # rows 0..decode-1: KV slots 0..decode-1
-    prefill: tuple[int, ...]  # per group of a longer span, largest first: its rows
+    groups: int  # then this many groups of GROUP_ROWS rows, for the longer spans
 
     @classmethod
-    def of(cls, spans: Sequence[Span], slots: int, order: Sequence[int]) -> Layout:
-        """The layout of `spans` in a pool of `slots` (`order`: prefill_order(spans)): decode
-        rows rounded up to a power of two (at most `slots`), so that a request joining or leaving
-        rarely needs a new program."""
+    def of(cls, spans: Sequence[Span], slots: int) -> Layout:
+        """The layout of `spans` in a pool of `slots`: decode rows rounded up to a power of two
+        (at most `slots`), groups too, so that a request joining or leaving, or a prompt of
+        another length, rarely needs a new program."""
         singles = [s.slot for s in spans if len(s.tokens) == 1]
         decode = decode_rows(max(singles) + 1, slots) if singles else 0
-        return cls(decode, tuple(padded(len(spans[i].tokens)) for i in order))
+        need = sum(-(-len(s.tokens) // GROUP_ROWS) for s in spans if len(s.tokens) > 1)
+        return cls(decode, bucket(need) if need else 0)
 
     @classmethod
     def decoding(cls, slots: int) -> list[Layout]:
         """Every layout of a step with decode rows only, in a pool of `slots`."""
         counts = {decode_rows(1 << k, slots) for k in range(math.ceil(math.log2(slots)) + 1)}
-        return [cls(rows, ()) for rows in sorted(counts)]
+        return [cls(rows, 0) for rows in sorted(counts)]
+
+    @staticmethod
+    def most_picks(slots: int, step_tokens: int) -> int:
+        """Logits rows of any layout of steps of at most `step_tokens` rows from `slots` requests
+        (each longer span wastes less than a group)."""
+        return slots + bucket(-(-step_tokens // GROUP_ROWS) + slots)
 
     @property
     def rows(self) -> int:
-        return self.decode + sum(self.prefill)
+        return self.decode + self.groups * GROUP_ROWS
 
     @property
     def picks(self) -> int:
-        """Logits rows."""
-        return self.decode + len(self.prefill)
+        """Logits rows: one per decode row and per group (a longer span takes one at least)."""
+        return self.decode + self.groups
 
-    def places(self, spans: Sequence[Span], order: Sequence[int]) -> list[tuple[int, int]]:
-        """Per span (in the order given): its first row and its logits row; `order` is
-        prefill_order(spans)."""
-        out = [(s.slot, s.slot) for s in spans]  # decode spans; prefill ones overwritten below
-        rows = self.picked_rows()
-        for pick, i in enumerate(order, start=self.decode):
-            out[i] = (rows[pick] + 1 - len(spans[i].tokens), pick)
-        return out
-
-    def picked_rows(self) -> list[int]:
-        """The row of each logits row: decode rows themselves, then each group's last."""
-        ends = np.cumsum(self.prefill, dtype=np.int64) + self.decode - 1
-        return list(range(self.decode)) + ends.tolist()
+    def place(self, spans: Sequence[Span]) -> Placement:
+        """Where `spans` (which this layout fits: Layout.of) sit: decode spans at their slots'
+        rows, longer ones in groups in the order given."""
+        n = len(spans)
+        first, pick = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        rows = np.zeros(self.picks, dtype=np.int64)
+        rows[: self.decode] = np.arange(self.decode)
+        slots = np.zeros(self.groups, dtype=np.int64)
+        group, longer = 0, self.decode
+        for i, s in enumerate(spans):
+            if len(s.tokens) == 1:
+                first[i] = pick[i] = s.slot
+                continue
+            taken = -(-len(s.tokens) // GROUP_ROWS)
+            first[i], pick[i] = self.decode + group * GROUP_ROWS, longer
+            rows[longer] = first[i] + len(s.tokens) - 1
+            slots[group : group + taken] = s.slot
+            group, longer = group + taken, longer + 1
+        return Placement(first, pick, rows, slots)
 
 
 def decode_rows(used: int, slots: int) -> int:
     """Decode rows of a step whose highest slot in use is `used` - 1: a power of two, at most
     `slots`."""
-    return min(1 << math.ceil(math.log2(used)), slots)
-
-
-def prefill_order(spans: Sequence[Span]) -> list[int]:
-    """The indices of `spans`' prefill spans (over one token) in the order of their groups:
-    largest group first, then as given."""
-    longer = [i for i, s in enumerate(spans) if len(s.tokens) > 1]
-    return sorted(longer, key=lambda i: -padded(len(spans[i].tokens)))
+    return min(power_of_two(used), slots)
 
 
 class StepInputs:
@@ -127,6 +146,7 @@ class StepInputs:
             "positions": n,
             "kv_rows": n,
             "lengths": n,
+            "picks": r,
             "rng": 3 * r,
             "params": 3 * r,
             "expect": 1,
@@ -153,33 +173,34 @@ class StepInputs:
     def write(
         self,
         spans: Sequence[Span],
-        places: np.ndarray,
+        placed: Placement,
         max_len: int,
         params: torch.Tensor,
         rng: torch.Tensor,
         expect: int,
     ) -> None:
-        """Fill the inputs for `spans` at their `places` (Layout.places: first row and logits
-        row per span; params float32 and rng int32, [spans, 3] each), idle rows and greedy idle
-        picks elsewhere, the clock value to wait for, and copy them to the device."""
+        """Fill the inputs for `spans` where `placed` puts them (params float32 and rng int32,
+        [spans, 3] each), idle rows and greedy idle picks elsewhere, the clock value to wait
+        for, and copy them to the device."""
         host = self._host
         host["expect"][0] = expect
         for name in ("tokens", "positions", "kv_rows"):
             host[name][:] = IDLE
         host["lengths"][:] = 0
+        host["picks"][:] = placed.rows
         host["rng"][:] = 0
         host["params"].view(np.float32)[:] = 0.0  # temperature 0: argmax, no draw
         counts = np.array([len(s.tokens) for s in spans], dtype=np.int64)
         # row r of span i: first_i + k, position start_i + k, for k < count_i (no loop per row)
         k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        rows = np.repeat(places[:, 0], counts) + k
+        rows = np.repeat(placed.first, counts) + k
         positions = np.repeat([s.start for s in spans], counts) + k
         host["tokens"][rows] = [t for s in spans for t in s.tokens]
         host["positions"][rows] = positions
         host["kv_rows"][rows] = np.repeat([s.slot for s in spans], counts) * max_len + positions
         host["lengths"][rows] = positions + 1
-        host["params"].view(np.float32).reshape(-1, 3)[places[:, 1]] = params.numpy()
-        host["rng"].reshape(-1, 3)[places[:, 1]] = rng.numpy()
+        host["params"].view(np.float32).reshape(-1, 3)[placed.pick] = params.numpy()
+        host["rng"].reshape(-1, 3)[placed.pick] = rng.numpy()
         if self.device is not self.host:
             self.device.copy_(self.host)
 
@@ -225,12 +246,9 @@ class ProgramOps:
     ) -> None:
         self.build, self.config, self.pool, self.inputs = build, config, pool, inputs
         self.layout, self.tables = inputs.layout, rotary
-        # (task, operand, prefill span): operands that view KV slot 0 in the records, where each
-        # step binds its span's slot (Program.binding)
+        # (task, operand, group): operands that view KV slot 0 in the records, where each step
+        # binds the slot of the group's span (Program.binding)
         self.kv_uses: list[tuple[int, int, int]] = []
-        self.picks = torch.tensor(
-            inputs.layout.picked_rows(), dtype=torch.int32, device=pool.keys.device
-        )
         sampled, clock = feed
         self.tokens = self._add("feed_tokens", inputs["tokens"], sampled, clock, inputs["expect"])
 
@@ -273,24 +291,24 @@ class ProgramOps:
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        rows = self.inputs["kv_rows"]
         for new, cache in ((k, self.pool.keys[layer]), (v, self.pool.values[layer])):
             # views, never copies: the program reads these tensors' memory at every run
             self._add(
                 "scatter_rows",
                 new.view(new.shape[0], -1),
-                rows,
+                self.inputs["kv_rows"],
                 out=cache.view(-1, new.shape[1] * new.shape[2]),
             )
         out = torch.empty_like(q)
         first = self.layout.decode
         if first:
             self._attend(layer, q, out, slice(0, first), slice(0, first))
-        for span, n in enumerate(self.layout.prefill):
+        for group in range(self.layout.groups):
             task = len(self.build)
-            self._attend(layer, q, out, slice(first, first + n), slice(0, 1))  # slot: bound later
-            self.kv_uses += [(task, 1, span), (task, 2, span)]
-            first += n
+            rows = slice(first, first + GROUP_ROWS)
+            self._attend(layer, q, out, rows, slice(0, 1))  # its slot: bound at each step
+            self.kv_uses += [(task, 1, group), (task, 2, group)]
+            first += GROUP_ROWS
         return out
 
     def _attend(
@@ -328,7 +346,7 @@ class ProgramOps:
         return self._add(kind, h)  # "gelu" and "gelu_tanh" are catalogue operators
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        picked = self._add("gather_rows", h, self.picks)
+        picked = self._add("gather_rows", h, self.inputs["picks"])
         out = torch.empty(
             (self.layout.picks, head.shape[0]), dtype=torch.float32, device=head.device
         )
@@ -378,34 +396,32 @@ class StepProgram:
         ops.build.add(OpCall("tick", (self.tokens,), out=chain.clock))
         self.program: Program = ops.build.build()
         self.layout, self.max_len = layout, pool.max_len
-        # A prefill span's KV views sit at slot 0 in the records: binding "address" s * slot_bytes
+        # A group's KV views sit at slot 0 in the records: binding "address" s * slot_bytes
         # (plus the view's own address, kept as the delta) points them at slot s.
         assert pool.keys.stride() == pool.values.stride(), "keys and values share one layout"
         self.slot_bytes = pool.keys.stride(1) * pool.keys.element_size()
-        spans = len(layout.prefill)
-        self.binding = self.program.binding(ops.kv_uses, [0] * spans) if spans else None
+        groups = layout.groups
+        self.binding = self.program.binding(ops.kv_uses, [0] * groups) if groups else None
 
     def start(
         self,
         rt: Runtime,
         spans: Sequence[Span],
-        order: Sequence[int],
         params: torch.Tensor,
         rng: torch.Tensor,
         keep_logits: bool,
         timeout: float,
         expect: int,
     ) -> Launched:
-        """Write the step's inputs (`order`: prefill_order(spans); `expect`: the clock value of
-        the previous step's tick) and submit the program; the result waits for it and reads back
-        the spans' tokens."""
-        places = np.array(self.layout.places(spans, order), dtype=np.int64).reshape(-1, 2)
-        self.inputs.write(spans, places, self.max_len, params, rng, expect)
+        """Write the step's inputs (`expect`: the clock value of the previous step's tick) and
+        submit the program; the result waits for it and reads back the spans' tokens."""
+        placed = self.layout.place(spans)
+        self.inputs.write(spans, placed, self.max_len, params, rng, expect)
         if self.binding is not None:
-            slots = np.array([spans[i].slot for i in order], dtype=np.uint64)
-            self.program.rebind(self.binding, slots * np.uint64(self.slot_bytes))
+            addresses = placed.slots.astype(np.uint64) * np.uint64(self.slot_bytes)
+            self.program.rebind(self.binding, addresses)
         batch = rt.submit(self.program)
-        picks = places[:, 1].tolist()
+        picks = placed.pick.tolist()
 
         def result() -> StepResult:
             batch.wait(timeout).check()

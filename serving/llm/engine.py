@@ -48,7 +48,6 @@ from serving.llm.device_step import (
     StepProgram,
     StepResult,
     fed,
-    prefill_order,
 )
 from serving.llm.forward import Span, TorchOps, forward
 from serving.llm.model import KVPool, Model, rotary_cos_sin
@@ -261,10 +260,11 @@ class _ProgramForward:
         model: Model,
         kv: KVPool,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        step_tokens: int,
     ) -> None:
+        """`step_tokens`: the most tokens a step takes (EngineConfig.max_step_tokens)."""
         self.runtime, self.model, self.kv, self.rotary = runtime, model, kv, rotary
-        # a step has a logits row per decode row (one per slot at most) and per prefill span
-        self.chain = StepChain(2 * kv.slots, runtime.device)
+        self.chain = StepChain(Layout.most_picks(kv.slots, step_tokens), runtime.device)
         self._programs: OrderedDict[tuple[Layout, int], StepProgram] = OrderedDict()
         self._last: Launched | None = None
         # Decode-only steps' programs, built now: a request joining would otherwise hold every
@@ -277,10 +277,9 @@ class _ProgramForward:
     def start(
         self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool
     ) -> Launched:
-        order = prefill_order(spans)  # the layout and the step's inputs both follow it
-        program = self._program(Layout.of(spans, self.kv.slots, order), self.chain.parity)
+        program = self._program(Layout.of(spans, self.kv.slots), self.chain.parity)
         expect = self.chain.next()
-        self._last = program.start(self.runtime, spans, order, params, rng, keep_logits, 60, expect)
+        self._last = program.start(self.runtime, spans, params, rng, keep_logits, 60, expect)
         return self._last
 
     def resync(self) -> None:
@@ -333,7 +332,9 @@ class Engine:
         self._forward: _Forward = (
             _TorchForward(model, self.kv)
             if runtime is None or self.config.micro_ops == "torch"
-            else _ProgramForward(runtime, model, self.kv, self._rotary_tables())
+            else _ProgramForward(
+                runtime, model, self.kv, self._rotary_tables(), self.config.max_step_tokens
+            )
         )
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []

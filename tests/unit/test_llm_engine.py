@@ -136,10 +136,10 @@ def test_decode_programs_are_built_at_start(model_dir: Path, runtime: Runtime) -
     try:
         forward = engine._forward
         assert isinstance(forward, _ProgramForward)
-        decoding = {(Layout(rows, ()), parity) for rows in (1, 2, 4, 6) for parity in (0, 1)}
+        decoding = {(Layout(rows, 0), parity) for rows in (1, 2, 4, 6) for parity in (0, 1)}
         assert set(forward._programs) == decoding
         run_together(engine, prompts([3, 9, 1, 5, 7, 4]), GREEDY)
-        assert {key for key in forward._programs if not key[0].prefill} == decoding
+        assert {key for key in forward._programs if not key[0].groups} == decoding
     finally:
         engine.close()
 
@@ -155,9 +155,11 @@ def engine(model_dir: Path, runtime: Runtime) -> Iterator[Engine]:
     ("steps", "layout"),
     [
         # one length in slots 2, 0 and 3: the third step on the first's program, rebound
-        ([((2,), [6]), ((0,), [6]), ((3,), [6])], Layout(0, (8,))),
-        # nearby lengths in any order: groups padded to 16 and 8 rows, largest first
-        ([((0, 1), [5, 12]), ((2, 3), [11, 7]), ((1, 0), [6, 13])], Layout(0, (16, 8))),
+        ([((2,), [6]), ((0,), [6]), ((3,), [6])], Layout(0, 1)),
+        # other lengths in any order, one group each
+        ([((0, 1), [5, 12]), ((2, 3), [11, 7]), ((1, 0), [6, 13])], Layout(0, 2)),
+        # spans over three groups, and spans of one and two groups
+        ([((1,), [40]), ((0,), [45]), ((3, 2), [2, 31])], Layout(0, 3)),
     ],
 )
 def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
@@ -166,9 +168,9 @@ def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
     steps: list[tuple[tuple[int, ...], list[int]]],
     layout: Layout,
 ) -> None:
-    """Prefill programs are keyed by their groups' padded sizes (idle rows first in a group), not
-    by slots or the spans' order: every step runs on one program per parity, and each span gives
-    the reference forward's logits."""
+    """Prefill programs are keyed by their count of groups, not by the spans' slots, lengths or
+    order: every step runs on one program per parity, and each span gives the reference
+    forward's logits."""
     model = device_model(model_dir, runtime)
     engine = start(model, runtime, max_running=4)
     try:
@@ -182,7 +184,7 @@ def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
             assert logits is not None
             for row, prompt in zip(logits, batch):
                 assert_last_row_logits(model, prompt, row)
-        assert [key[0] for key in forward._programs if key[0].prefill] == [layout] * 2
+        assert [key[0] for key in forward._programs if key[0].groups] == [layout] * 2
     finally:
         engine.close()
 
