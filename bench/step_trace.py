@@ -222,8 +222,8 @@ def step(rt: Runtime, shape: str, rows: int, where: Path) -> Program:
     spans = [Span(slot, 64, (1,)) for slot in range(rows)]
     chain = StepChain(2 * rows, rt.device)
     sp = StepProgram(rt, model, pool, Layout.of(spans, rows), None, chain, parity=0)
-    params = torch.zeros(rows, 3)
-    rng = torch.zeros(rows, 3, dtype=torch.int32)
+    params = np.zeros((rows, 3), dtype=np.float32)
+    rng = np.zeros((rows, 3), dtype=np.int32)
     # every run waits for a clock value of 0 (its own ticks only move the clock past it)
     sp.inputs.write(spans, sp.layout.place(spans), pool.max_len, params, rng, expect=0)
     return sp.program

@@ -9,6 +9,7 @@ keys tie within float rounding.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -41,9 +42,13 @@ def philox4x32(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 def rng_rows(seeds: list[int], steps: list[int]) -> torch.Tensor:
     """The int32 [R, 3] rng input of sample_tokens: (seed low word, seed high word, step) per
     row, as int32 bit patterns; seeds in [0, 2^64), steps in [0, 2^32)."""
+    return torch.from_numpy(rng_words(seeds, steps))
+
+
+def rng_words(seeds: list[int], steps: list[int]) -> np.ndarray:
+    """rng_rows as a numpy array (what the LLM engine writes into a step's inputs)."""
     words = [(s & MASK32, s >> 32 & MASK32, t & MASK32) for s, t in zip(seeds, steps, strict=True)]
-    signed = [[(w ^ 0x80000000) - 0x80000000 for w in row] for row in words]  # same bits in int32
-    return torch.tensor(signed, dtype=torch.int32).reshape(-1, 3)
+    return np.array(words, dtype=np.uint32).reshape(-1, 3).view(np.int32)  # same bits
 
 
 def _uniform_words(cols: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:

@@ -175,8 +175,8 @@ class StepInputs:
         spans: Sequence[Span],
         placed: Placement,
         max_len: int,
-        params: torch.Tensor,
-        rng: torch.Tensor,
+        params: np.ndarray,
+        rng: np.ndarray,
         expect: int,
     ) -> None:
         """Fill the inputs for `spans` where `placed` puts them (params float32 and rng int32,
@@ -199,19 +199,20 @@ class StepInputs:
         host["positions"][rows] = positions
         host["kv_rows"][rows] = np.repeat([s.slot for s in spans], counts) * max_len + positions
         host["lengths"][rows] = positions + 1
-        host["params"].view(np.float32).reshape(-1, 3)[placed.pick] = params.numpy()
-        host["rng"].reshape(-1, 3)[placed.pick] = rng.numpy()
+        host["params"].view(np.float32).reshape(-1, 3)[placed.pick] = params
+        host["rng"].reshape(-1, 3)[placed.pick] = rng
         if self.device is not self.host:
             self.device.copy_(self.host)
 
 
 class StepChain:
     """What chains one engine's steps on the device: the clock every step ticks, and per parity
-    the tokens its steps sample (one per logits row, at most `picks`)."""
+    what its steps hand back, one per logits row (at most `picks`): the sampled tokens, then the
+    logits rows' sums (float32 bits), so that the host reads both with one copy."""
 
     def __init__(self, picks: int, device: torch.device) -> None:
         self.clock = torch.zeros(1, dtype=torch.int32, device=device)
-        self.sampled = torch.full((2, picks), IDLE, dtype=torch.int32, device=device)
+        self.sampled = torch.full((2, 2, picks), IDLE, dtype=torch.int32, device=device)
         self.launched = 0  # steps launched: the clock's value once they all ticked
 
     @property
@@ -386,13 +387,15 @@ class StepProgram:
         parity: int,
     ) -> None:
         self.inputs = StepInputs(layout, rt.device)
-        feed = (chain.sampled[1 - parity], chain.clock)
+        feed = (chain.sampled[1 - parity, 0], chain.clock)
         ops = ProgramOps(rt.program(), model.config, pool, self.inputs, rotary, feed)
         self.logits = forward(model, ops)
         inputs = (self.logits, self.inputs["params"], self.inputs["rng"])
-        out = chain.sampled[parity, : layout.picks]
+        self.readback = chain.sampled[parity]  # [tokens, sums]: what the host reads
+        out = self.readback[0, : layout.picks]
         self.tokens = ops.build.add(OpCall("sample_tokens", inputs, out=out))
-        self.sums = ops.build.add(OpCall("sum", (self.logits,), dims=(1,)))
+        sums = self.readback[1, : layout.picks].view(torch.float32)
+        ops.build.add(OpCall("sum", (self.logits,), out=sums, dims=(1,)))
         ops.build.add(OpCall("tick", (self.tokens,), out=chain.clock))
         self.program: Program = ops.build.build()
         self.layout, self.max_len = layout, pool.max_len
@@ -407,8 +410,8 @@ class StepProgram:
         self,
         rt: Runtime,
         spans: Sequence[Span],
-        params: torch.Tensor,
-        rng: torch.Tensor,
+        params: np.ndarray,
+        rng: np.ndarray,
         keep_logits: bool,
         timeout: float,
         expect: int,
@@ -425,8 +428,10 @@ class StepProgram:
 
         def result() -> StepResult:
             batch.wait(timeout).check()
-            tokens, sums = self.tokens.cpu(), self.sums.cpu()
+            # one copy and numpy: each torch call lets the GIL go (see engine._Outbox)
+            tokens, sums = self.readback.cpu().numpy()
+            finite = np.isfinite(sums.view(np.float32)[picks])
             logits = self.logits[picks].cpu() if keep_logits else None
-            return StepResult(tokens[picks].tolist(), sums[picks].isfinite().tolist(), logits)
+            return StepResult(tokens[picks].tolist(), finite.tolist(), logits)
 
         return Launched(picks, result)

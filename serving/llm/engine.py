@@ -36,11 +36,12 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import numpy as np
 import torch
 
 from gpuos_core import Runtime
 from gpuos_core.errors import GpuosError
-from gpuos_core.sampler import rng_rows, sample_rows
+from gpuos_core.sampler import rng_words, sample_rows
 from serving.llm.device_step import (
     Launched,
     Layout,
@@ -92,10 +93,44 @@ class Delta:
     error: str | None = None  # set (with finish_reason "error") when the engine failed
 
 
-class _Stream:
-    """Deltas of one request, handed from the engine thread to a thread or an event loop."""
+class _Outbox:
+    """Deltas on their way from the engine thread to consumers on event loops, handed over once a
+    step per loop. Each handover (`call_soon_threadsafe`) writes to the loop's self-pipe, a
+    system call that lets the GIL go; the engine thread then waits for the GIL until the loop's
+    thread next lets go of it, up to the interpreter's switch interval (5 ms) when that thread is
+    busy serving other requests. A handover per delta cost the step that wait once per streaming
+    request. Used by the engine thread only."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None, keep_logits: bool = False) -> None:
+    def __init__(self) -> None:
+        self._held: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Delta], Delta]]] = {}
+
+    def add(
+        self, loop: asyncio.AbstractEventLoop, deltas: asyncio.Queue[Delta], delta: Delta
+    ) -> None:
+        self._held.setdefault(loop, []).append((deltas, delta))
+
+    def flush(self) -> None:
+        """Hand every held delta to its loop, in the order they were added."""
+        held, self._held = self._held, {}
+        for loop, items in held.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: its consumers are gone
+                log.debug("dropped %d deltas for a closed event loop", len(items))
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Delta], Delta]]) -> None:
+    for deltas, delta in items:
+        deltas.put_nowait(delta)
+
+
+class _Stream:
+    """Deltas of one request, handed from the engine thread to a thread, or to an event loop
+    through the engine's outbox."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop | None, outbox: _Outbox, keep_logits: bool = False
+    ) -> None:
         self.cancelled = False  # set by the consumer (client gone): the engine drops the request
         # The logits [vocab] (fp32, CPU) each token was chosen from, when asked for (checks).
         self.logits: list[torch.Tensor] | None = [] if keep_logits else None
@@ -106,11 +141,11 @@ class _Stream:
             (loop, asyncio.Queue()) if loop else None
         )
         self._sync: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self._outbox = outbox
 
     def put(self, delta: Delta) -> None:
         if self._async is not None:
-            loop, deltas = self._async
-            loop.call_soon_threadsafe(deltas.put_nowait, delta)
+            self._outbox.add(*self._async, delta)
         else:
             self._sync.put(delta)
 
@@ -189,13 +224,13 @@ class _Step:
     chooses: tuple[bool, ...]  # per request: its span ends with its last pending row (the step
     # chooses its next token; a prompt chunk before the last does not)
 
-    def sampling(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def sampling(self) -> tuple[np.ndarray, np.ndarray]:
         """sample_tokens' params (float32) and rng (int32) rows, [requests, 3] each: a request's
         draw depends on its seed and its token's index only, never on its batch. Called before
         the step is launched, while `inflight` counts the tokens chosen before this one."""
-        params = torch.tensor([r.sampling_row() for r in self.requests], dtype=torch.float32)
+        params = np.array([r.sampling_row() for r in self.requests], dtype=np.float32)
         draws = [len(r.generated) + r.inflight for r in self.requests]
-        rng = rng_rows([r.seed for r in self.requests], draws)
+        rng = rng_words([r.seed for r in self.requests], draws)
         return params.reshape(-1, 3), rng
 
 
@@ -210,7 +245,7 @@ class _Forward(Protocol):
     chains: bool  # steps chain on the device: spans may hold `fed` tokens of the latest step
 
     def start(
-        self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool
+        self, spans: Sequence[Span], params: np.ndarray, rng: np.ndarray, keep_logits: bool
     ) -> Launched:
         """Start the step; its result waits for the tokens (and, when `keep_logits`, logits) of
         each span's last row."""
@@ -231,10 +266,11 @@ class _TorchForward:
         self.model, self.kv = model, kv
 
     def start(
-        self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool
+        self, spans: Sequence[Span], params: np.ndarray, rng: np.ndarray, keep_logits: bool
     ) -> Launched:
         logits = forward(self.model, TorchOps(self.model.config, self.kv, spans))
-        tokens = sample_rows(logits, params.to(logits.device), rng.to(logits.device))
+        on = logits.device
+        tokens = sample_rows(logits, torch.from_numpy(params).to(on), torch.from_numpy(rng).to(on))
         done = StepResult(
             tokens.tolist(),
             logits.isfinite().all(-1).tolist(),
@@ -275,7 +311,7 @@ class _ProgramForward:
                 self._program(layout, parity)
 
     def start(
-        self, spans: Sequence[Span], params: torch.Tensor, rng: torch.Tensor, keep_logits: bool
+        self, spans: Sequence[Span], params: np.ndarray, rng: np.ndarray, keep_logits: bool
     ) -> Launched:
         program = self._program(Layout.of(spans, self.kv.slots), self.chain.parity)
         expect = self.chain.next()
@@ -339,6 +375,7 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._unsent: list[tuple[_Request, int]] = []  # tokens chosen, text not yet emitted
+        self._outbox = _Outbox()  # deltas for event loops, handed over after each step
         self._inflight: tuple[_Step, Launched] | None = None  # launched, not collected (chained)
         self._lock = threading.Condition()
         self._closed = False
@@ -374,7 +411,7 @@ class Engine:
             _Request(
                 list(prompt),
                 params,
-                _Stream(loop, keep_logits),
+                _Stream(loop, self._outbox, keep_logits),
                 self.tokenizer.detokenizer(),
                 StopMatcher(params.stop),
                 secrets.randbits(64) if params.seed is None else params.seed,
@@ -441,7 +478,9 @@ class Engine:
                 self._inflight = None
                 self._fail(self._running, f"{type(exc).__name__}: {exc}")
                 self._forward.resync()
+            self._outbox.flush()
         self._fail(self._running + list(self._waiting), "the engine was closed")
+        self._outbox.flush()
 
     def _wait_for_work(self) -> bool:
         with self._lock:

@@ -5,11 +5,13 @@ queueing and errors."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,7 +181,8 @@ def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
         for seed, (slots, lengths) in enumerate(steps):
             batch = prompts(lengths, seed=seed)
             spans = [Span(slot, 0, tuple(p)) for slot, p in zip(slots, batch)]
-            greedy, rng = torch.zeros(len(spans), 3), torch.zeros(len(spans), 3, dtype=torch.int32)
+            greedy = np.zeros((len(spans), 3), dtype=np.float32)
+            rng = np.zeros((len(spans), 3), dtype=np.int32)
             logits = forward.start(spans, greedy, rng, keep_logits=True).result().logits
             assert logits is not None
             for row, prompt in zip(logits, batch):
@@ -229,6 +232,25 @@ def test_more_requests_than_slots_queue_and_all_finish(engine: Engine) -> None:
     watcher.join()
     assert [f.finish_reason for f in finals] == ["length"] * 5
     assert max(peak) <= 2  # max_running bounds the KV slots in use
+
+
+def test_streams_on_an_event_loop_get_every_delta_in_order(engine: Engine) -> None:
+    """Deltas reach a loop's consumers in order (handed over once a step per loop), the same
+    text as a thread's stream of the same greedy request; a consumer whose loop closed while its
+    request ran costs the other requests nothing."""
+    prompt, params = prompts([5], seed=7)[0], SamplingParams(max_tokens=12, temperature=0.0)
+
+    async def consume() -> list[str]:
+        stream = engine.submit(prompt, params, asyncio.get_running_loop())
+        return [d.text async for d in stream]
+
+    gone = asyncio.new_event_loop()
+    engine.submit(prompt, params, gone)  # its loop closes before any delta is handed over
+    gone.close()
+    texts = asyncio.run(consume())
+    threaded = list(engine.submit(prompt, params))
+    assert "".join(texts) == "".join(d.text for d in threaded) and len(texts) > 1
+    assert threaded[-1].finish_reason == "length" and threaded[-1].error is None
 
 
 def test_full_queue_is_refused(model_dir: Path, runtime: Runtime) -> None:
