@@ -92,6 +92,9 @@ class GenerationSummary:
     tokens_per_s: float
     ttft_p50_ms: float  # streams' time to the first chunk with text
     ttft_p99_ms: float
+    steps: int  # engine steps during the run, all replicas (/v1/stats)
+    programs_built: int  # step programs built during the run: each held its step (and
+    program_build_s: float  # every stream in it) for the time it took
 
 
 @dataclass(frozen=True)
@@ -364,7 +367,7 @@ def summarize(
         for name in sorted({e["name"] for e in entries})
     }
     generation = (
-        generation_summary(args, prefix, per_request.get(TTFT), span)
+        generation_summary(args, prefix, per_request.get(TTFT), span, before, after)
         if "CompletionUser" in SCENARIOS[args.scenario]
         else None
     )
@@ -415,10 +418,20 @@ def request_stats(entries: Sequence[dict], span: float) -> RequestStats:
 
 
 def generation_summary(
-    args: argparse.Namespace, prefix: Path, ttft: RequestStats | None, span: float
+    args: argparse.Namespace,
+    prefix: Path,
+    ttft: RequestStats | None,
+    span: float,
+    before: Mapping[str, float],
+    after: Mapping[str, float],
 ) -> GenerationSummary:
     """Tokens/s over `span` from the locustfile's counts; TTFT percentiles of its entry (zeros
-    when no stream passed)."""
+    when no stream passed); the engines' steps and program builds between the /v1/stats totals
+    `before` and `after`."""
+
+    def grown(key: str) -> float:  # an app without the counter: 0
+        return after.get(key, 0) - before.get(key, 0)
+
     generated = Generated(**json.loads(tokens_file(prefix).read_text()))
     return GenerationSummary(
         model=generated.model,
@@ -428,6 +441,9 @@ def generation_summary(
         tokens_per_s=generated.tokens / span if span else 0.0,
         ttft_p50_ms=ttft.p50_ms if ttft else 0.0,
         ttft_p99_ms=ttft.p99_ms if ttft else 0.0,
+        steps=int(grown("llm_steps")),
+        programs_built=int(grown("llm_programs")),
+        program_build_s=grown("llm_program_build_ms") / 1000,
     )
 
 

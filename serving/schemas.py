@@ -241,6 +241,10 @@ class ReplicaStats(BaseModel):
     llm_tokens: int = Field(0, description="tokens the LLM engine generated")
     llm_running: int = Field(0, description="completions decoding now (KV slots in use)")
     llm_waiting: int = Field(0, description="completions waiting for a KV slot")
+    llm_programs: int = Field(
+        0, description="LLM step programs built (one per new step layout; its step waits)"
+    )
+    llm_program_build_ms: int = Field(0, description="milliseconds spent building them")
 
 
 class StatsTotal(BaseModel):
@@ -250,6 +254,8 @@ class StatsTotal(BaseModel):
     mean_batch_size: float = Field(description="tasks per runtime submission, all replicas")
     llm_steps: int = 0
     llm_tokens: int = 0
+    llm_programs: int = 0
+    llm_program_build_ms: int = 0
 
 
 class StatsResponse(BaseModel):
@@ -269,6 +275,8 @@ def stats_total(replicas: list[ReplicaStats]) -> StatsTotal:
         mean_batch_size=tasks / batches if batches else 0.0,
         llm_steps=sum(r.llm_steps for r in replicas),
         llm_tokens=sum(r.llm_tokens for r in replicas),
+        llm_programs=sum(r.llm_programs for r in replicas),
+        llm_program_build_ms=sum(r.llm_program_build_ms for r in replicas),
     )
 
 

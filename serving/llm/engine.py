@@ -243,6 +243,8 @@ class _Forward(Protocol):
     """How an engine runs a step's forward and sampling."""
 
     chains: bool  # steps chain on the device: spans may hold `fed` tokens of the latest step
+    built: int  # step programs built so far ...
+    build_s: float  # ... and the seconds they took (the steps they were built for waited)
 
     def start(
         self, spans: Sequence[Span], params: np.ndarray, rng: np.ndarray, keep_logits: bool
@@ -260,7 +262,7 @@ class _TorchForward:
     """The forward in torch, one launch per micro-op (micro_ops="torch": the baseline); a step
     is done when `start` returns."""
 
-    chains = False
+    chains, built, build_s = False, 0, 0.0  # nothing to build
 
     def __init__(self, model: Model, kv: KVPool) -> None:
         self.model, self.kv = model, kv
@@ -303,6 +305,7 @@ class _ProgramForward:
         self.chain = StepChain(Layout.most_picks(kv.slots, step_tokens), runtime.device)
         self._programs: OrderedDict[tuple[Layout, int], StepProgram] = OrderedDict()
         self._last: Launched | None = None
+        self.built, self.build_s = 0, 0.0
         # Decode-only steps' programs, built now: a request joining would otherwise hold every
         # stream for two whole-program builds (a parity each), as vLLM captures its CUDA graphs
         # per batch size at start.
@@ -332,9 +335,11 @@ class _ProgramForward:
         if key in self._programs:
             self._programs.move_to_end(key)
             return self._programs[key]
+        began = time.perf_counter()
         program = StepProgram(
             self.runtime, self.model, self.kv, layout, self.rotary, self.chain, parity
         )
+        self.built, self.build_s = self.built + 1, self.build_s + time.perf_counter() - began
         self._programs[key] = program
         if len(self._programs) > self.PROGRAMS:
             self._programs.popitem(last=False)
@@ -451,13 +456,16 @@ class Engine:
             )
 
     def stats(self) -> dict[str, int]:
-        """Requests running and waiting now; steps and tokens so far."""
+        """Requests running and waiting now; steps, tokens, step programs built and the
+        milliseconds building them took, so far."""
         with self._lock:
             return {
                 "running": len(self._running),
                 "waiting": len(self._waiting),
                 "steps": self.steps,
                 "tokens": self.tokens,
+                "programs": self._forward.built,
+                "program_build_ms": round(1000 * self._forward.build_s),
             }
 
     def close(self) -> None:

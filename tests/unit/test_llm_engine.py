@@ -188,6 +188,8 @@ def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
             for row, prompt in zip(logits, batch):
                 assert_last_row_logits(model, prompt, row)
         assert [key[0] for key in forward._programs if key[0].groups] == [layout] * 2
+        # what /v1/stats reports: the decode programs of the start, then one build per parity
+        assert engine.stats()["programs"] == 2 * len(Layout.decoding(4)) + 2
     finally:
         engine.close()
 
