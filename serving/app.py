@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -46,6 +47,7 @@ class GpuosReplica:
     `GpuosIngress`."""
 
     def __init__(self, args: AppArgs) -> None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)  # before any thread starts
         self.args = args
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id

@@ -48,6 +48,10 @@ class AppArgs(BaseModel):
     allow_raw_cuda: bool = False  # let /admin register and swap operators written as raw CUDA
     num_cpus: float = Field(1.0, ge=0)  # CPUs one replica reserves in Ray's scheduler
     watch_s: float = Field(600.0, ge=0)  # after a swap, failures this long roll it back (0: off)
+    # The interpreter's switch interval in a replica: how long a thread busy in Python (the event
+    # loop serving requests) keeps the GIL from one that wants it back after a system call or a
+    # torch call (the LLM engine's step, the runtime's poller). Python's default is 5 ms.
+    switch_interval_ms: float = Field(1.0, gt=0, le=100)
     llm: LlmArgs = LlmArgs()  # the model behind /v1/completions
 
     def resolved_admin_token(self) -> str | None:

@@ -59,7 +59,13 @@ def test_the_two_gpu_config_runs_two_replicas_of_one_gpu_each_on_cuda() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [{"backend": "tpu"}, {"backend": "cpu", "bakend": "cuda"}, {"max_elements": 0}]
+    "args",
+    [
+        {"backend": "tpu"},
+        {"backend": "cpu", "bakend": "cuda"},
+        {"max_elements": 0},
+        {"switch_interval_ms": 0},
+    ],
 )
 def test_build_app_rejects_bad_args(args: dict[str, object]) -> None:
     with pytest.raises(pydantic.ValidationError):
