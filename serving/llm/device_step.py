@@ -49,6 +49,11 @@ def fed(pick: int) -> int:
     return -2 - pick
 
 
+def groups_of(tokens: int) -> int:
+    """Groups a span of `tokens` takes (or a budget of that many rows needs)."""
+    return -(-tokens // GROUP_ROWS)
+
+
 def power_of_two(n: int) -> int:
     """The least power of two >= n (n >= 1)."""
     return 1 << (n - 1).bit_length()
@@ -80,11 +85,11 @@ class Layout:
     @classmethod
     def of(cls, spans: Sequence[Span], slots: int) -> Layout:
         """The layout of `spans` in a pool of `slots`: decode rows rounded up to a power of two
-        (at most `slots`), groups too, so that a request joining or leaving, or a prompt of
-        another length, rarely needs a new program."""
+        (at most `slots`) and groups to a `bucket`, so that a request joining or leaving, or a
+        prompt of another length, rarely needs a new program."""
         singles = [s.slot for s in spans if len(s.tokens) == 1]
         decode = decode_rows(max(singles) + 1, slots) if singles else 0
-        need = sum(-(-len(s.tokens) // GROUP_ROWS) for s in spans if len(s.tokens) > 1)
+        need = sum(groups_of(len(s.tokens)) for s in spans if len(s.tokens) > 1)
         return cls(decode, bucket(need) if need else 0)
 
     @classmethod
@@ -95,9 +100,9 @@ class Layout:
 
     @staticmethod
     def most_picks(slots: int, step_tokens: int) -> int:
-        """Logits rows of any layout of steps of at most `step_tokens` rows from `slots` requests
-        (each longer span wastes less than a group)."""
-        return slots + bucket(-(-step_tokens // GROUP_ROWS) + slots)
+        """Logits rows of any layout of steps of at most `step_tokens` tokens from `slots`
+        requests (each longer span wastes less than a group)."""
+        return slots + bucket(groups_of(step_tokens) + slots)
 
     @property
     def rows(self) -> int:
@@ -121,7 +126,7 @@ class Layout:
             if len(s.tokens) == 1:
                 first[i] = pick[i] = s.slot
                 continue
-            taken = -(-len(s.tokens) // GROUP_ROWS)
+            taken = groups_of(len(s.tokens))
             first[i], pick[i] = self.decode + group * GROUP_ROWS, longer
             rows[longer] = first[i] + len(s.tokens) - 1
             slots[group : group + taken] = s.slot
@@ -393,10 +398,10 @@ class StepProgram:
         inputs = (self.logits, self.inputs["params"], self.inputs["rng"])
         self.readback = chain.sampled[parity]  # [tokens, sums]: what the host reads
         out = self.readback[0, : layout.picks]
-        self.tokens = ops.build.add(OpCall("sample_tokens", inputs, out=out))
+        tokens = ops.build.add(OpCall("sample_tokens", inputs, out=out))
         sums = self.readback[1, : layout.picks].view(torch.float32)
         ops.build.add(OpCall("sum", (self.logits,), out=sums, dims=(1,)))
-        ops.build.add(OpCall("tick", (self.tokens,), out=chain.clock))
+        ops.build.add(OpCall("tick", (tokens,), out=chain.clock))
         self.program: Program = ops.build.build()
         self.layout, self.max_len = layout, pool.max_len
         # A group's KV views sit at slot 0 in the records: binding "address" s * slot_bytes

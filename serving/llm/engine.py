@@ -42,14 +42,7 @@ import torch
 from gpuos_core import Runtime
 from gpuos_core.errors import GpuosError
 from gpuos_core.sampler import rng_words, sample_rows
-from serving.llm.device_step import (
-    Launched,
-    Layout,
-    StepChain,
-    StepProgram,
-    StepResult,
-    fed,
-)
+from serving.llm.device_step import Launched, Layout, StepChain, StepProgram, StepResult, fed
 from serving.llm.forward import Span, TorchOps, forward
 from serving.llm.model import KVPool, Model, rotary_cos_sin
 from serving.llm.sampling import SamplingParams, StopMatcher
