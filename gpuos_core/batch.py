@@ -13,6 +13,8 @@ import torch
 from .calls import Prepared
 from .errors import TaskFailedError, WaitTimeoutError
 
+# (device tensor, host tensor of the same bytes) pairs: what a submission copies to the device
+Uploads = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 STATUS_PENDING = 0
 STATUS_DONE = 1
 
@@ -31,6 +33,7 @@ class Batch:
         versions: np.ndarray | Sequence[int],
         pinned: bool = False,
         events: torch.Tensor | None = None,
+        uploads: Uploads = (),
     ) -> None:
         self.tasks = tuple(tasks)  # validated tasks, with their outputs
         self.records = records  # ABI records as submitted (TASK dtype), tiles included
@@ -39,6 +42,7 @@ class Batch:
         self.pinned = pinned  # records are in Backend.host_records memory
         self.events = events  # a program's event counters: the backend zeroes
         # them before publishing any record
+        self.uploads = uploads  # copied before any record runs (Runtime.submit)
         self.status = np.zeros(len(tasks), dtype=np.int32)  # STATUS_PENDING (0), _DONE, < 0: error
         self.errors: dict[int, str] = {}  # task index → message, for failed tasks
         # Completion latch: held from creation until complete(). A Lock, not an Event, because

@@ -29,7 +29,7 @@ import torch
 from .abi import TASK, encode_task
 from .backends.base import Backend
 from .backends.cpu import CpuBackend
-from .batch import Batch
+from .batch import Batch, Uploads
 from .calls import LaidOut, OpCall, Prepared
 from .canary import Comparison, compare_with_current, run_sandboxed
 from .catalogue import OpSpec, expression_spec, new_version, prepare
@@ -183,36 +183,53 @@ class Runtime:
         task = prepare(self._state.table.current(call.op).spec, call, self.device)
         return Prepared.encoded(task, encode_records(task, self._backend.tile_elements))
 
-    def submit(self, tasks: Sequence[Prepared] | TaskList | Program) -> Batch:
+    def submit(
+        self, tasks: Sequence[Prepared] | TaskList | Program, uploads: Uploads = ()
+    ) -> Batch:
         """Enqueue tasks as one batch, resolving each operator to the physical slot of its current
         version now. Blocks only while a swap holds submissions (milliseconds). A TaskList (see
         `encode`) can be submitted again and again without re-encoding. A Program runs its whole
-        dependency graph on the device; submitting it first waits for its previous run."""
+        dependency graph on the device; submitting it first waits for its previous run.
+        `uploads`, (device tensor, host tensor) pairs of equal bytes, are copied in order before
+        any task runs (on CUDA the host side must be pinned and unchanged until completion): a
+        step's inputs ride its submission instead of a torch copy of their own."""
         if isinstance(tasks, Program):
-            return self._run_program(tasks)
+            return self._run_program(tasks, uploads)
         work = tasks if isinstance(tasks, TaskList) else self.encode(tasks)
-        return self._launch(work)
+        return self._launch(work, uploads=uploads)
+
+    def read(self, src: torch.Tensor, dst: np.ndarray) -> None:
+        """Copy contiguous `src`, written by a completed submission, into `dst` (host memory of
+        the same bytes, pinned on CUDA); returns once `dst` holds it. Cheaper for a thread that
+        competes for the GIL than `src.cpu()` (see HeldDriver)."""
+        self._backend.read(src, dst)
 
     def program(self) -> ProgramBuilder:
         """A builder of a device program: `add` calls in order, then `build()` (see program.py)."""
         return ProgramBuilder(self.prepare, self._backend.host_records, self.device)
 
-    def _run_program(self, program: Program) -> Batch:
+    def _run_program(self, program: Program, uploads: Uploads) -> Batch:
         with program.lock:
             if program.last is not None:  # runs share tensors and counters: never overlap
                 program.last.wait()
-            program.last = self._launch(program.tasks, program.events, idle=True)
+            program.last = self._launch(program.tasks, program.events, True, uploads)
             return program.last
 
     def _launch(
-        self, work: TaskList, events: torch.Tensor | None = None, idle: bool = False
+        self,
+        work: TaskList,
+        events: torch.Tensor | None = None,
+        idle: bool = False,
+        uploads: Uploads = (),
     ) -> Batch:
         """Resolve and launch; `idle`: no submission of `work` can still be copying its records."""
         with self._submit_lock:
             if self._closed:
                 raise RuntimeClosedError("submit() after close()")
             versions = work.resolve(self._state, idle)
-            batch = Batch(work.tasks, work.records, work.owners, versions, work.pinned, events)
+            batch = Batch(
+                work.tasks, work.records, work.owners, versions, work.pinned, events, uploads
+            )
             self._backend.launch(batch)  # may raise (ring too small, stalled): nothing in flight
             self._inflight.add(batch)
             batch.add_done_callback(self._inflight.discard)

@@ -33,8 +33,13 @@ class Backend(ABC):
 
     @abstractmethod
     def launch(self, batch: Batch) -> None:
-        """Start executing `batch`; the backend calls `batch.complete()` exactly once, from any
-        thread, after every task finished or failed."""
+        """Start executing `batch`, its uploads before any of its records; the backend calls
+        `batch.complete()` exactly once, from any thread, after every task finished or failed."""
+
+    def read(self, src: torch.Tensor, dst: np.ndarray) -> None:
+        """Copy contiguous `src`, which completed work wrote, into `dst` (host memory of the
+        same bytes); returns once `dst` holds it."""
+        dst.reshape(-1).view(np.uint8)[:] = src.numpy().reshape(-1).view(np.uint8)
 
     @abstractmethod
     def close(self) -> None:

@@ -63,6 +63,8 @@ class CpuBackend(Backend):
         self._slots = image.slots
 
     def launch(self, batch: Batch) -> None:
+        for dst, src in batch.uploads:  # now: the caller may write src again once it completed
+            dst.copy_(src)
         self._queue.put(batch)
 
     def close(self) -> None:

@@ -38,7 +38,15 @@ from ..config import CudaConfig
 from ..errors import StalledWorkerError
 from ..optable import Image
 from .base import Backend
-from .cudadrv import NOT_READY, CudaError, PinnedBuffer, check, kernel_params
+from .cudadrv import (
+    NOT_READY,
+    CudaError,
+    HeldDriver,
+    PinnedBuffer,
+    check,
+    held_check,
+    kernel_params,
+)
 
 log = logging.getLogger("gpuos.cuda")
 _NON_BLOCKING = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
@@ -46,6 +54,7 @@ MAX_CLAIM = 16  # GPUOS_MAX_CLAIM in gpuos_worker.cu: records a worker block can
 # Worker grids kept launched: the running one and its successor, queued behind it on the worker
 # stream. An implicit device-wide sync may so wait for two leases (CudaConfig.lease_ms each).
 WORKER_GRIDS = 2
+READ_SPIN_S = 2e-4  # `read` spins, GIL held, this long for its copy (a few KB take ~10 µs)
 
 
 @dataclass
@@ -110,8 +119,8 @@ class CudaBackend(Backend):
         )
         torch.empty(1, device=self.device)  # torch creates (and owns) the primary context first
         self._threads = threading.local()  # which threads have our context current
-        self._streams: dict[int, cu.CUstream] = {}  # torch stream handles, wrapped for the driver
         self._open_context(device_index)
+        self._held = HeldDriver()  # the submit path's calls, keeping the GIL
         self._allocate()
         self._publish_lock = threading.Lock()  # held by one launch while it publishes
         self._lock = threading.Lock()  # ring, tail and pending batches
@@ -147,8 +156,9 @@ class CudaBackend(Backend):
         self.blocks = self._attribute("MULTIPROCESSOR_COUNT") * self.config.blocks_per_sm
         self._worker_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(worker)")
         self._copy_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(copy)")
+        self._read_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(read)")
         # one event per worker grid launched and not yet seen done (at most WORKER_GRIDS)
-        self._grids: collections.deque[object] = collections.deque()
+        self._grids: collections.deque[cu.CUevent] = collections.deque()
         self._free_events = [
             check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
             for _ in range(WORKER_GRIDS)
@@ -156,6 +166,9 @@ class CudaBackend(Backend):
         self._inputs_ready = check(
             cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
         )
+        self._copy_raw = int(self._copy_stream)  # raw handles, for HeldDriver
+        self._read_raw = int(self._read_stream)
+        self._inputs_ready_raw = int(self._inputs_ready)
 
     def _attribute(self, name: str) -> int:
         attribute = getattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
@@ -252,11 +265,18 @@ class CudaBackend(Backend):
                 raise StalledWorkerError(self.broken)
             self._after_producer()
             if batch.events is not None:  # stream-ordered before every record of the batch
-                check(
-                    cu.cuMemsetD32Async(
-                        batch.events.data_ptr(), 0, batch.events.numel(), self._copy_stream
+                held_check(
+                    self._held.memset_d32_async(
+                        batch.events.data_ptr(), 0, batch.events.numel(), self._copy_raw
                     ),
                     "zero the program's events",
+                )
+            for dst, src in batch.uploads:  # so are the uploads
+                held_check(
+                    self._held.memcpy_htod_async(
+                        dst.data_ptr(), src.data_ptr(), src.nbytes, self._copy_raw
+                    ),
+                    "upload",
                 )
             claim = self.config.program_claim if batch.events is not None else self.config.max_claim
             if claim != self._claim:  # a hint: records claimed under the old one are just as valid
@@ -270,6 +290,21 @@ class CudaBackend(Backend):
             for begin in range(0, len(records), part):
                 self._publish(records[begin : begin + part], batch.pinned, pending)
         batch.set_poller(self.poll, self.config.spin_s)
+
+    def read(self, src: torch.Tensor, dst: np.ndarray) -> None:
+        """Copy on a stream of its own (the copy stream may wait for a producer) and spin, GIL
+        held, for the few microseconds a small copy takes; a longer one waits with it let go."""
+        self._use_context()
+        held, stream = self._held, self._read_raw
+        held_check(
+            held.memcpy_dtoh_async(dst.ctypes.data, src.data_ptr(), src.nbytes, stream), "read"
+        )
+        deadline = time.perf_counter() + READ_SPIN_S
+        while (status := held.stream_query(stream)) == NOT_READY:
+            if time.perf_counter() > deadline:
+                check(cu.cuStreamSynchronize(self._read_stream), "read")
+                return
+        held_check(status, "read")
 
     def trace(self) -> np.ndarray:
         """The worker's per-record times (CudaConfig.trace; cuda/gpuos_device.cuh): one row per
@@ -314,14 +349,13 @@ class CudaBackend(Backend):
         """Order the records after the work queued so far on the caller's current torch stream,
         which typically produced their inputs (and may still read their outputs): the tail is
         written on the copy stream, which now waits for that work."""
-        handle = self._current_stream()
-        producer = self._streams.get(handle)
-        if producer is None:  # wrapping a handle costs a microsecond: once per stream
-            producer = self._streams[handle] = cu.CUstream(handle)
-        if cu.cuStreamQuery(producer)[0] != NOT_READY:
+        producer, held = self._current_stream(), self._held
+        if held.stream_query(producer) != NOT_READY:
             return  # nothing pending there: a device-side wait would only add latency
-        check(cu.cuEventRecord(self._inputs_ready, producer), "cuEventRecord(inputs)")
-        check(cu.cuStreamWaitEvent(self._copy_stream, self._inputs_ready, 0), "cuStreamWaitEvent")
+        held_check(held.event_record(self._inputs_ready_raw, producer), "cuEventRecord(inputs)")
+        held_check(
+            held.stream_wait_event(self._copy_raw, self._inputs_ready_raw, 0), "cuStreamWaitEvent"
+        )
 
     def _publish(self, records: np.ndarray, pinned: bool, pending: _Pending) -> None:
         """Copy records to the ring once their slots are free, then write the tail after them, so
@@ -350,9 +384,9 @@ class CudaBackend(Backend):
         else:
             self._stage_raw[at : at + len(piece)] = piece
             source = self._staging.host + at * size
-        check(
-            cu.cuMemcpyHtoDAsync(
-                self._ring + at * size, source, len(piece) * size, self._copy_stream
+        held_check(
+            self._held.memcpy_htod_async(
+                self._ring + at * size, source, len(piece) * size, self._copy_raw
             ),
             "copy to ring",
         )
@@ -360,8 +394,8 @@ class CudaBackend(Backend):
     def _write_u64(self, address: int, value: int) -> None:
         """Stream-ordered store into device memory, after everything queued on the copy stream."""
         if self._stream_writes:
-            check(
-                cu.cuStreamWriteValue64(self._copy_stream, address, value, 0),
+            held_check(
+                self._held.stream_write_value64(self._copy_raw, address, value, 0),
                 "cuStreamWriteValue64",
             )
             return
@@ -383,10 +417,10 @@ class CudaBackend(Backend):
         the next, which starts the moment the running one's lease ends (waiting for the poller
         to notice the exit and relaunch left a ~0.5 ms hole in whatever was running then)."""
         while self._grids:
-            status = cu.cuEventQuery(self._grids[0])[0]
+            status = self._held.event_query(int(self._grids[0]))
             if status == NOT_READY:
                 break
-            check((status,), "the previous worker launch")  # a sticky device fault surfaces here
+            held_check(status, "the previous worker launch")  # a sticky fault surfaces here
             self._free_events.append(self._grids.popleft())
         if not self._free_events:
             return

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from gpuos_core import OpCall, Runtime
+from gpuos_core.batch import Uploads
 from gpuos_core.program import Program, ProgramBuilder
 from serving.llm.forward import Span, forward
 from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
@@ -184,9 +185,9 @@ class StepInputs:
         rng: np.ndarray,
         expect: int,
     ) -> None:
-        """Fill the inputs for `spans` where `placed` puts them (params float32 and rng int32,
-        [spans, 3] each), idle rows and greedy idle picks elsewhere, the clock value to wait
-        for, and copy them to the device."""
+        """Fill the host words for `spans` where `placed` puts them (params float32 and rng
+        int32, [spans, 3] each), idle rows and greedy idle picks elsewhere, and the clock value
+        to wait for; `uploads` takes them to the device."""
         host = self._host
         host["expect"][0] = expect
         for name in ("tokens", "positions", "kv_rows"):
@@ -206,8 +207,12 @@ class StepInputs:
         host["lengths"][rows] = positions + 1
         host["params"].view(np.float32).reshape(-1, 3)[placed.pick] = params
         host["rng"].reshape(-1, 3)[placed.pick] = rng
-        if self.device is not self.host:
-            self.device.copy_(self.host)
+
+    @property
+    def uploads(self) -> Uploads:
+        """What copies the host words to the device with the step's submission (nothing where
+        the device reads the host words themselves)."""
+        return () if self.device is self.host else ((self.device, self.host),)
 
 
 class StepChain:
@@ -218,6 +223,8 @@ class StepChain:
     def __init__(self, picks: int, device: torch.device) -> None:
         self.clock = torch.zeros(1, dtype=torch.int32, device=device)
         self.sampled = torch.full((2, 2, picks), IDLE, dtype=torch.int32, device=device)
+        pinned = torch.empty((2, 2, picks), dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.host = pinned.numpy()  # where the host reads `sampled` to (keeps `pinned` alive)
         self.launched = 0  # steps launched: the clock's value once they all ticked
 
     @property
@@ -397,6 +404,7 @@ class StepProgram:
         self.logits = forward(model, ops)
         inputs = (self.logits, self.inputs["params"], self.inputs["rng"])
         self.readback = chain.sampled[parity]  # [tokens, sums]: what the host reads
+        self.host = chain.host[parity]  # ... into these words
         out = self.readback[0, : layout.picks]
         tokens = ops.build.add(OpCall("sample_tokens", inputs, out=out))
         sums = self.readback[1, : layout.picks].view(torch.float32)
@@ -428,13 +436,14 @@ class StepProgram:
         if self.binding is not None:
             addresses = placed.slots.astype(np.uint64) * np.uint64(self.slot_bytes)
             self.program.rebind(self.binding, addresses)
-        batch = rt.submit(self.program)
+        batch = rt.submit(self.program, self.inputs.uploads)
         picks = placed.pick.tolist()
 
         def result() -> StepResult:
             batch.wait(timeout).check()
-            # one copy and numpy: each torch call lets the GIL go (see engine._Outbox)
-            tokens, sums = self.readback.cpu().numpy()
+            # one copy that keeps the GIL, and numpy: each torch call lets it go (engine._Outbox)
+            rt.read(self.readback, self.host)
+            tokens, sums = self.host
             finite = np.isfinite(sums.view(np.float32)[picks])
             logits = self.logits[picks].cpu() if keep_logits else None
             return StepResult(tokens[picks].tolist(), finite.tolist(), logits)

@@ -113,6 +113,27 @@ def test_a_rebound_program_runs_over_new_tensors_and_leaves_the_old_ones(rt: Run
         torch.testing.assert_close(out, torch.sigmoid(x[1:]) + y)
 
 
+def test_uploads_reach_the_device_before_the_run_and_read_brings_its_results_back(
+    rt: Runtime,
+) -> None:
+    """A program resubmitted with its inputs as uploads (host words written between runs, as
+    the LLM engine writes a step's) computes on each run's words, and
+    `read` returns each run's output to host memory the caller reuses."""
+    pinned = rt.device.type == "cuda"
+    host = torch.empty(4, 700, pin_memory=pinned)
+    x = torch.empty(4, 700, device=rt.device)
+    build = rt.program()
+    out = build.add(OpCall("sigmoid", (build.add(OpCall("mul", (x, x))),)))
+    program = build.build()
+    back = torch.empty(4, 700, pin_memory=pinned).numpy()
+    for seed in range(4):
+        words = torch.randn(4, 700, generator=torch.Generator().manual_seed(seed))
+        host.copy_(words)
+        rt.submit(program, ((x, host),)).wait(30).check()
+        rt.read(out, back)
+        torch.testing.assert_close(torch.from_numpy(back), torch.sigmoid(words * words))
+
+
 def test_a_linear_reads_its_weight_before_its_wait_only_when_no_task_before_writes_it(
     rt: Runtime,
 ) -> None:
