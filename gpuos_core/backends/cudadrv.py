@@ -78,7 +78,9 @@ class HeldDriver:
     have it back: under serving load an engine step made ~9 such calls and spent most of its
     time waiting (bench/NOTES.md, "where the replica's GIL goes"). Handles are raw integers
     (`int(stream)`); each call returns the driver's status. Never for a call that can block:
-    holding the GIL there would stall every thread of the process."""
+    holding the GIL there would stall every thread of the process. (An enqueue blocks only when
+    its stream holds ~a thousand commands not yet run; the copy stream's are done in
+    microseconds unless it waits for a producer's kernels, and then for those alone.)"""
 
     def __init__(self) -> None:
         self.stream_query = _held(b"cuStreamQuery", _P)
