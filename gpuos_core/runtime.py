@@ -212,7 +212,7 @@ class Runtime:
         with program.lock:
             if program.last is not None:  # runs share tensors and counters: never overlap
                 program.last.wait()
-            program.last = self._launch(program.tasks, program.events, True, uploads)
+            program.last = self._launch(program.tasks, program.events, idle=True, uploads=uploads)
             return program.last
 
     def _launch(

@@ -90,9 +90,10 @@ class _Outbox:
     """Deltas on their way from the engine thread to consumers on event loops, handed over once a
     step per loop. Each handover (`call_soon_threadsafe`) writes to the loop's self-pipe, a
     system call that lets the GIL go; the engine thread then waits for the GIL until the loop's
-    thread next lets go of it, up to the interpreter's switch interval (5 ms) when that thread is
-    busy serving other requests. A handover per delta cost the step that wait once per streaming
-    request. Used by the engine thread only."""
+    thread next lets go of it, up to the interpreter's switch interval (5 ms by default, 1 ms in a
+    replica: AppArgs.switch_interval_ms) when that thread is busy serving other requests. A
+    handover per delta cost the step that wait once per streaming request. Used by the engine
+    thread only."""
 
     def __init__(self) -> None:
         self._held: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Delta], Delta]]] = {}
