@@ -25,7 +25,12 @@ from ray.serve.handle import DeploymentHandle
 from gpuos_core import Runtime, RuntimeConfig
 
 from .coalescer import Coalescer
-from .completions import CompletionServices, LlmService, completion_routes
+from .completions import (
+    CompletionServices,
+    LlmService,
+    completion_hot_routes,
+    completion_routes,
+)
 from .config import AppArgs, Backend, CoalescerConfig
 from .errors import RegistryDivergedError
 from .metrics import ReplicaMetrics
@@ -94,7 +99,11 @@ class GpuosReplica:
             broadcast=self.broadcast,
         )
         completions = CompletionServices(self.llm, self.metrics.llm, self.watch)
-        return build_api(services, [completion_routes(completions, JsonRoute)])
+        return build_api(
+            services,
+            [completion_routes(completions, JsonRoute)],
+            completion_hot_routes(completions),
+        )
 
     # -- Serve hooks -----------------------------------------------------------------------------
     async def reconfigure(self, user_config: dict[str, Any]) -> None:

@@ -19,7 +19,6 @@ swap watch, which rolls back an operator swapped just before.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import threading
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
@@ -51,6 +50,8 @@ from .errors import (
     openai_body,
     status_of,
 )
+from .hotpaths import HotRoute
+from .jsonfast import dumps, json_response
 from .metrics import LlmMetrics
 from .schemas import error_responses
 from .watch import SwapWatch
@@ -62,6 +63,7 @@ log = logging.getLogger("gpuos.serving")
 MAX_PROMPTS = 64  # prompts one request may carry (each becomes a choice)
 MAX_LOGPROBS = 20  # most alternatives `logprobs` / `top_logprobs` may ask for (OpenAI's limit)
 NONFINITE_PREFIX = f"{NonFiniteLogitsError.__name__}: "  # how the engine's deltas name it
+DONE = b"data: [DONE]\n\n"  # the last event of every stream
 
 
 # -- the engine of a replica -----------------------------------------------------------------------
@@ -381,6 +383,17 @@ def completion_routes(replica: CompletionServices, route_class: type[APIRoute]) 
     return router
 
 
+def completion_hot_routes(replica: CompletionServices) -> dict[str, HotRoute]:
+    """POST /v1/completions and /v1/chat/completions, for HotPaths: the answers their routes
+    give."""
+    return {
+        "/v1/completions": HotRoute(CompletionRequest, lambda body, _: _complete(replica, body)),
+        "/v1/chat/completions": HotRoute(
+            ChatCompletionRequest, lambda body, _: _chat(replica, body)
+        ),
+    }
+
+
 def _model_card(llm: LlmService) -> dict[str, Any]:
     return {
         "id": llm.model_id,
@@ -404,10 +417,10 @@ def _check_model(llm: LlmService, model: str) -> None:
         )
 
 
-def _respond(body: _Sampled, chunks: AsyncIterator[str], whole: Any) -> Response:
+def _respond(body: _Sampled, chunks: AsyncIterator[bytes], whole: Any) -> Response:
     if body.stream:
         return StreamingResponse(chunks, media_type="text/event-stream")
-    return JSONResponse(whole)
+    return json_response(whole)
 
 
 # -- /v1/completions -------------------------------------------------------------------------------
@@ -543,7 +556,7 @@ async def _complete(replica: CompletionServices, body: CompletionRequest) -> Res
                 "finish_reason": last.finish_reason,
             }
         )
-    return JSONResponse({**head, "choices": out, "usage": _usage([last for _, last in finals])})
+    return json_response({**head, "choices": out, "usage": _usage([last for _, last in finals])})
 
 
 def _new_logprobs(c: _Choice, delta: Delta, top: int) -> dict[str, Any]:
@@ -564,12 +577,12 @@ def _echo_only(body: CompletionRequest, head: dict[str, Any], choices: list[_Cho
     prompt_tokens = sum(len(c.prompt) for c in choices)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[bytes]:
         for choice in out:
             yield _event({**head, "choices": [choice]})
         if body.include_usage:
             yield _event({**head, "choices": [], "usage": usage})
-        yield "data: [DONE]\n\n"
+        yield DONE
 
     return _respond(body, events(), {**head, "choices": out, "usage": usage})
 
@@ -649,7 +662,7 @@ async def _chat(replica: CompletionServices, body: ChatCompletionRequest) -> Res
         "logprobs": logprobs(last.completion_tokens),
         "finish_reason": last.finish_reason,
     }
-    return JSONResponse(
+    return json_response(
         {**head, "object": "chat.completion", "choices": [choice], "usage": _usage([last])}
     )
 
@@ -716,7 +729,10 @@ class _Reporter:
 async def _whole(streams: Sequence[_Stream], done: _Reporter) -> list[tuple[str, Delta]]:
     """Every choice's text and last delta once all finished (raises the first one's error)."""
     try:
-        finals = await asyncio.gather(*(_collect(s) for s in streams))
+        if len(streams) == 1:  # most requests: no task for the gather
+            finals = [await _collect(streams[0])]
+        else:
+            finals = list(await asyncio.gather(*(_collect(s) for s in streams)))
     finally:
         for s in streams:
             s.cancel()  # no-op when finished; frees the slot when the client went away
@@ -742,7 +758,7 @@ async def _sse(
     include_usage: bool,
     done: _Reporter,
     chunk: Chunk,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """Chunks of every choice as they come (each choice as `chunk` renders it), then usage (if
     asked), then [DONE]."""
     finals: list[Delta] = []
@@ -761,7 +777,7 @@ async def _sse(
             seen.add(index)
         if include_usage and len(finals) == len(streams):
             yield _event({**head, "choices": [], "usage": _usage(finals)})
-        yield "data: [DONE]\n\n"
+        yield DONE
     finally:
         for s in streams:
             s.cancel()
@@ -769,6 +785,10 @@ async def _sse(
 
 async def _merged(streams: Sequence[_Stream]) -> AsyncIterator[tuple[int, Delta]]:
     """(choice index, delta) from every stream, in arrival order."""
+    if len(streams) == 1:  # most requests: no pump task and no queue hop per delta
+        async for delta in streams[0]:
+            yield 0, delta
+        return
     queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
 
     async def pump(index: int, stream: _Stream) -> None:
@@ -798,5 +818,5 @@ def _usage(finals: Iterable[Delta]) -> dict[str, int]:
     }
 
 
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + dumps(payload) + b"\n\n"

@@ -122,6 +122,15 @@ class Splice:
         self._read_history()
         self.head, self.seen, self.carry = None, {}, b""
 
+    async def take(self, item: RelayHead | bytes) -> None:
+        """The current attempt's next relayed item: its head (with the body's first piece), or a
+        piece of its body."""
+        if isinstance(item, RelayHead):
+            self.take_head(item)
+            item = item.body
+        if item:
+            await self.take_body(item)
+
     def take_head(self, head: RelayHead) -> None:
         """The current attempt's head. Refused when a replay (the client has a head already)
         answers anything but 200."""
@@ -365,10 +374,7 @@ class Gateway:
         assert isinstance(response, DeploymentResponseGenerator)  # a streaming handle's
         try:
             async for item in response:
-                if isinstance(item, RelayHead):
-                    splice.take_head(item)
-                else:
-                    await splice.take_body(item)
+                await splice.take(item)
             await splice.finish()
         finally:
             if not splice.done:

@@ -33,20 +33,25 @@ class RelayRequest:
 
 @dataclass(frozen=True)
 class RelayHead:
-    """The response's status line and headers; the first item a relay yields."""
+    """The response's status line and headers, and its body's first piece (what the app sent with
+    or right after its head): the first item a relay yields. Joined because each item a replica
+    yields is a Ray streaming item, whose cost (serialization, gRPC) is most of a relay's."""
 
     status: int
     headers: Headers
+    body: bytes = b""
 
 
 async def relayed(app: ASGIApp, request: RelayRequest) -> AsyncIterator[RelayHead | bytes]:
-    """Run `request` through `app`: its head, then its body in pieces (what the app sent since
-    the last piece, joined, so a busy replica yields fewer, larger pieces). Closing the iterator
-    (the caller went away) cancels the app as a client disconnect would: a completion in flight
-    frees its engine slot."""
+    """Run `request` through `app`: its head with the body's first piece, then the rest in pieces
+    (what the app sent since the last piece, joined, so a busy replica yields fewer, larger
+    pieces). Closing the iterator (the caller went away) cancels the app as a client disconnect
+    would: a completion in flight frees its engine slot. The scope says ASGI spec 2.4, where a
+    disconnect is signalled to `send` rather than through `receive`: here by that cancellation,
+    so a streaming response need not run a task that listens to `receive`."""
     scope = {
         "type": "http",
-        "asgi": {"version": "3.0"},
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
         "http_version": "1.1",
         "method": request.method,
         "scheme": "http",
@@ -103,10 +108,12 @@ async def no_disconnect() -> Message:
 
 
 async def _items(sent: asyncio.Queue[Message | None]) -> AsyncIterator[RelayHead | bytes]:
-    """The app's messages as a head and body pieces, until its last body message (or its end)."""
+    """The app's messages as a head (with the first body piece) and body pieces, until its last
+    body message (or its end)."""
+    start: Message | None = None  # the head, held until the body's first piece
     while (message := await sent.get()) is not None:
         if message["type"] == "http.response.start":
-            yield RelayHead(message["status"], list(message.get("headers", [])))
+            start = message
             continue
         pieces, more = [message.get("body", b"")], message.get("more_body", False)
         while more and not sent.empty():  # join what else is already waiting
@@ -116,7 +123,16 @@ async def _items(sent: asyncio.Queue[Message | None]) -> AsyncIterator[RelayHead
                 break
             pieces.append(following.get("body", b""))
             more = following.get("more_body", False)
-        if any(pieces):
+        if start is not None:
+            yield _head(start, b"".join(pieces))
+            start = None
+        elif any(pieces):
             yield b"".join(pieces)
         if not more:
             return
+    if start is not None:  # the app ended after its head without a body message
+        yield _head(start, b"")
+
+
+def _head(start: Message, body: bytes) -> RelayHead:
+    return RelayHead(start["status"], list(start.get("headers", [])), body)

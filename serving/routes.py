@@ -18,8 +18,10 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
 import pydantic
@@ -38,7 +40,6 @@ from gpuos_core.canary import Comparison
 from .coalescer import Coalescer
 from .config import ADMIN_TOKEN_ENV, AppArgs, CoalescerConfig
 from .errors import (
-    OURS,
     AdminAuthError,
     RequestTooLargeError,
     ServingError,
@@ -46,6 +47,7 @@ from .errors import (
     error_response,
     status_of,
 )
+from .hotpaths import INLINE_JSON_BYTES, HotPaths, HotRoute
 from .jsonfast import json_answer
 from .metrics import CONTENT_TYPE, ReplicaMetrics, exposition
 from .registry import ChangeNote, ReplicaRegistry
@@ -84,7 +86,6 @@ from .tensors import (
 from .watch import SwapWatch
 
 log = logging.getLogger("gpuos.serving")
-INLINE_JSON_BYTES = 1 << 16  # smaller bodies are parsed on the event loop (a thread costs more)
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 T = TypeVar("T")
 # Calls a method on every replica of the deployment: (results, failures as text).
@@ -117,12 +118,21 @@ class Services:
     broadcast: Broadcast
 
 
-def build_api(replica: Services, routers: Sequence[APIRouter] = ()) -> FastAPI:
+def build_api(
+    replica: Services,
+    routers: Sequence[APIRouter] = (),
+    hot: Mapping[str, HotRoute] = MappingProxyType({}),
+) -> FastAPI:
     """The replica's FastAPI app: routes bound to `replica`'s services, then `routers` (built with
-    `JsonRoute`), error handlers, body size limit."""
+    `JsonRoute`), error handlers, body size limit; the data plane's routes and `hot` (routes of
+    `routers` with the same answers) served past FastAPI by HotPaths."""
     api = FastAPI(title="gpuos-serve", description="Coalesced GPU micro-operations on Ray Serve")
     _install_errors(api, replica.metrics)
-    api.add_middleware(HotPaths, replica=replica)  # added first: inside BodyLimit, body read
+    api.add_middleware(  # added first: inside BodyLimit, which reads the body
+        HotPaths,
+        routes={**_data_plane(replica), **hot},
+        on_error=partial(counted_error, replica.metrics),
+    )
     api.add_middleware(
         BodyLimit,
         limit=replica.args.max_body_bytes(),
@@ -217,65 +227,6 @@ async def _read_body(receive: Receive, limit: int, declared: int) -> bytes | Non
 def _content_length(scope: Scope) -> int:
     value = header(scope["headers"], b"content-length") or b""
     return int(value) if value.isdigit() else 0
-
-
-class HotPaths:
-    """ASGI middleware for the data plane: POST /v1/ops/{op} and POST /v1/batch with a JSON body
-    go straight to their answers (`op_answer`, `batch_answer`), the body validated from its bytes
-    in one pass by the route's model. FastAPI's routing, middleware, dependency solving and
-    validation of the parsed body took 11 of the 24 points of replica samples such requests
-    spent under Serve's wrapper (py-spy, bench/NOTES.md). A body the model refuses, and any
-    other request (these routes with another content type included), goes on to the app, where
-    these routes are declared: FastAPI answers it as it always has."""
-
-    def __init__(self, app: ASGIApp, replica: Services) -> None:
-        self.app, self.replica = app, replica
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        hot = _hot_route(scope)
-        if hot is None:
-            await self.app(scope, receive, send)
-            return
-        model, op = hot
-        message = await receive()  # BodyLimit, outside, hands the whole body over at once
-        body = message.get("body", b"")
-        try:
-            request: OpRequest | BatchRequest = (
-                model.model_validate_json(body)
-                if len(body) < INLINE_JSON_BYTES
-                else await asyncio.to_thread(model.model_validate_json, body)
-            )
-        except pydantic.ValidationError:  # rare: the route's own words for what is wrong
-            await self.app(scope, body_then(body, receive), send)
-            return
-        try:
-            if isinstance(request, BatchRequest):
-                response = await batch_answer(self.replica, request)
-            else:
-                response = await op_answer(self.replica, op, request)
-        except OURS as exc:  # anything else is a bug: the app's outermost middleware answers it
-            response = counted_error(self.replica.metrics, exc, scope["path"])
-        await response(scope, receive, send)
-
-
-def _hot_route(scope: Scope) -> tuple[type[OpRequest] | type[BatchRequest], str] | None:
-    """(body model, op: "" for /v1/batch) of a data-plane request HotPaths takes: a POST with a
-    JSON body (or no content type, which FastAPI reads as JSON too) to /v1/ops/{op} or
-    /v1/batch."""
-    if scope["type"] != "http" or scope["method"] != "POST" or not _json_content(scope):
-        return None
-    path = scope["path"].removeprefix(scope.get("root_path", ""))
-    if path == "/v1/batch":
-        return BatchRequest, ""
-    op = path.removeprefix("/v1/ops/")
-    if op != path and op and "/" not in op:
-        return OpRequest, op
-    return None
-
-
-def _json_content(scope: Scope) -> bool:
-    value = header(scope["headers"], b"content-type")
-    return value is None or value.partition(b";")[0].strip().lower() == b"application/json"
 
 
 class _JsonRequest(Request):
@@ -383,6 +334,14 @@ def _inference_routes(replica: Services) -> APIRouter:
         return StatsResponse(replicas=replicas, total=stats_total(replicas))
 
     return router
+
+
+def _data_plane(replica: Services) -> dict[str, HotRoute]:
+    """POST /v1/ops/{op} and /v1/batch, for HotPaths."""
+    return {
+        "/v1/ops/": HotRoute(OpRequest, lambda body, op: op_answer(replica, op, body)),
+        "/v1/batch": HotRoute(BatchRequest, lambda body, _: batch_answer(replica, body)),
+    }
 
 
 async def op_answer(replica: Services, op: str, body: OpRequest) -> Response:

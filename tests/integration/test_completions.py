@@ -172,6 +172,48 @@ def test_bad_requests_get_openai_errors(
         assert error["param"] == param, error
 
 
+def _answer(server: ServeProcess, path: str, body: dict, content_type: str) -> tuple[int, object]:
+    """Status and JSON of a completion answer, ids and times left out; a stream as its events."""
+    headers = {"content-type": content_type}
+    with httpx.stream(
+        "POST", f"{server.url}{path}", content=json.dumps(body), headers=headers, timeout=60
+    ) as answer:
+        lines = [line.removeprefix("data: ") for line in answer.iter_lines() if line]
+    parsed = [line if line == "[DONE]" else json.loads(line) for line in lines]
+    for item in parsed:
+        if isinstance(item, dict):
+            item.pop("id", None), item.pop("created", None)
+    return answer.status_code, parsed
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"stream": True, "stream_options": {"include_usage": True}},
+        {"model": "nope"},
+        {"temperature": -1},
+        {"n": "many"},
+    ],
+    ids=["whole", "streamed", "unknown-model", "bad-value", "bad-type"],
+)
+def test_completions_answer_alike_past_fastapi_and_through_it(
+    server: ServeProcess, model_id: str, path: str, change: dict
+) -> None:
+    """JSON bodies to the completion routes skip FastAPI's routing (serving.hotpaths.HotPaths);
+    FastAPI's routes still parse other JSON types (application/*+json). Same answers both ways."""
+    prompt = (
+        {"prompt": "Hello"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "Hello"}]}
+    )
+    body = {"model": model_id, **prompt, "max_tokens": 6, "seed": 11, "temperature": 1, **change}
+    fast = _answer(server, path, body, "application/json")
+    routed = _answer(server, path, body, "application/x-a+json")
+    assert fast == routed and fast[0] != 500, fast
+
+
 def test_openai_client_raises_its_own_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="GET /v1/models"):
         client.completions.create(model="nope", prompt="hi")
