@@ -50,6 +50,7 @@ from .fusion import CATALOGUE_BY_TEXT, Form, constants, forms_of, inputs_of, nee
 from .lowering import LOWERED, Lowered, MapOp, broadcast_shape
 from .pending import Node, Operand, Pending
 from .runtime import Runtime
+from .threads import daemon
 from .tracing import (
     FLUSH_TIMEOUT_S,
     PLAIN,
@@ -137,8 +138,7 @@ class _Ticker:
         self.deadline: float | None = None
         self.closed = False
         self.cond = threading.Condition()
-        self.thread = threading.Thread(target=self._loop, name="gpuos-sched-ticker", daemon=True)
-        self.thread.start()
+        self.thread = daemon(self._loop, "gpuos-sched-ticker")
 
     def arm(self) -> None:
         with self.cond:

@@ -233,6 +233,30 @@ def replica_pids(title: str = REPLICAS) -> list[int]:
     return sorted(p.info["pid"] for p in processes if title in " ".join(p.info["cmdline"] or ()))
 
 
+def thread_cpu_seconds(pids: Sequence[int]) -> dict[str, float]:
+    """User and system CPU seconds of the threads of processes `pids` by the threads' OS names,
+    summed over the processes. gpuos_core.threads names the runtime's and the engine's threads;
+    Ray's Python threads (the replica's event loop among them) carry the process's name. Threads
+    and processes gone count 0; no names where there is no /proc."""
+    totals: dict[str, float] = {}
+    for pid in pids:
+        try:
+            threads = psutil.Process(pid).threads()
+        except psutil.NoSuchProcess:
+            continue
+        for thread in threads:
+            name = _thread_name(pid, thread.id)
+            totals[name] = totals.get(name, 0.0) + thread.user_time + thread.system_time
+    return totals
+
+
+def _thread_name(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:  # gone, or no /proc
+        return "?"
+
+
 def cpu_seconds(pids: Sequence[int]) -> float:
     """User and system CPU seconds the processes `pids` have used (those gone count 0)."""
     total = 0.0

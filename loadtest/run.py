@@ -48,7 +48,16 @@ from loadtest.completions import (
     TTFT,
     Generated,
 )
-from loadtest.launch import ENCODINGS, INGRESSES, REPO, ingress_env, served
+from loadtest.launch import (
+    APP_REPLICAS,
+    ENCODINGS,
+    INGRESSES,
+    REPO,
+    ingress_env,
+    replica_pids,
+    served,
+    thread_cpu_seconds,
+)
 from loadtest.storm import admin_headers, ensure_registered
 
 SCENARIOS = {  # scenario → Locust user classes
@@ -115,6 +124,9 @@ class RunSummary:
     submissions: int  # runtime submissions during the run
     per_request: dict[str, RequestStats]  # Locust entry name → its requests
     generation: GenerationSummary | None  # completions only
+    # CPU ms a request by OS thread name (launch.thread_cpu_seconds), the main app's replicas on
+    # this host; empty when none runs here
+    replica_thread_cpu_ms: dict[str, float]
     csv_prefix: str
 
 
@@ -245,11 +257,13 @@ def run_mode(target: Target, args: argparse.Namespace, mode: str, out: Path) -> 
     set_coalescing(target, mode == "on")
     if "StormAdmin" in SCENARIOS[args.scenario]:
         ensure_registered(target.url, target.admin_token)  # a compile: not in the measured time
-    before = total_stats(target)
+    before, replicas = total_stats(target), replica_pids(APP_REPLICAS)
+    threads_before = thread_cpu_seconds(replicas)
     prefix = out / f"{args.scenario}-{mode}"
     run_locust(target, args, prefix, args.duration)
+    threads = grown_by_name(threads_before, thread_cpu_seconds(replicas))
     after = total_stats(target)
-    summary = summarize(args, mode, prefix, before, after)
+    summary = summarize(args, mode, prefix, before, after, threads)
     prefix.with_suffix(".json").write_text(json.dumps(asdict(summary), indent=2))
     return summary
 
@@ -356,10 +370,11 @@ def summarize(
     prefix: Path,
     before: dict[str, float],
     after: dict[str, float],
+    thread_cpu_s: Mapping[str, float],
 ) -> RunSummary:
     """The run's totals from Locust's final JSON (its stats CSV is written periodically and can
-    miss the last second), the coalescer's counters before and after, and for completions the
-    locustfile's token counts."""
+    miss the last second), the coalescer's counters before and after, for completions the
+    locustfile's token counts, and the replicas' CPU seconds by thread name during the run."""
     entries, span = locust_entries(prefix)
     total = request_stats([e for e in entries if e["name"] not in MEASURES], span)
     per_request = {
@@ -388,8 +403,18 @@ def summarize(
         submissions=submissions,
         per_request=per_request,
         generation=generation,
+        replica_thread_cpu_ms={
+            name: round(1000 * seconds / total.requests, 4)
+            for name, seconds in sorted(thread_cpu_s.items(), key=lambda kv: -kv[1])
+            if total.requests and seconds > 0
+        },
         csv_prefix=str(prefix),
     )
+
+
+def grown_by_name(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """What each name's total grew by from `before` to `after`."""
+    return {name: value - before.get(name, 0.0) for name, value in after.items()}
 
 
 def locust_entries(prefix: Path) -> tuple[list[dict], float]:

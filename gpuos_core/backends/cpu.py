@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import queue
-import threading
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ from ..abi import CODE_DTYPES, NO_EVENT, OP_NOP, ref_shape, ref_strides
 from ..batch import Batch
 from ..calls import Params
 from ..optable import Image
+from ..threads import daemon
 from .base import Backend
 
 log = logging.getLogger("gpuos.cpu")
@@ -56,8 +56,7 @@ class CpuBackend(Backend):
     def __init__(self) -> None:
         self._slots: tuple = ()
         self._queue: queue.Queue[Batch | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="gpuos-cpu-device", daemon=True)
-        self._thread.start()
+        self._thread = daemon(self._loop, "gpuos-cpu-device")
 
     def load(self, image: Image, binary: bytes | None) -> None:
         self._slots = image.slots

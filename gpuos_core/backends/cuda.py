@@ -37,6 +37,7 @@ from ..batch import Batch
 from ..config import CudaConfig
 from ..errors import StalledWorkerError
 from ..optable import Image
+from ..threads import daemon
 from .base import Backend
 from .cudadrv import (
     NOT_READY,
@@ -135,10 +136,7 @@ class CudaBackend(Backend):
         self.launches = 0  # worker launches so far (each lease is one)
         self._closed = False
         self._parked = False  # the poller blocks on _wake (see _park_when_idle)
-        self._poller = threading.Thread(
-            target=self._poll_loop, name="gpuos-cuda-poller", daemon=True
-        )
-        self._poller.start()
+        self._poller = daemon(self._poll_loop, "gpuos-cuda-poller")
 
     # -- setup ---------------------------------------------------------------------------------
     def _open_context(self, index: int) -> None:

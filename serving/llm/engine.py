@@ -42,6 +42,7 @@ import torch
 from gpuos_core import Runtime
 from gpuos_core.errors import GpuosError
 from gpuos_core.sampler import rng_words, sample_rows
+from gpuos_core.threads import daemon
 from serving.llm.device_step import Launched, Layout, StepChain, StepProgram, StepResult, fed
 from serving.llm.forward import Span, TorchOps, forward
 from serving.llm.model import KVPool, Model, rotary_cos_sin
@@ -379,8 +380,7 @@ class Engine:
         self._lock = threading.Condition()
         self._closed = False
         self.steps = self.tokens = 0  # steps run, tokens generated (for /v1/stats)
-        self._thread = threading.Thread(target=self._loop, name="gpuos-llm-engine", daemon=True)
-        self._thread.start()
+        self._thread = daemon(self._loop, "gpuos-llm-engine")
 
     # -- requests ------------------------------------------------------------------------------
     def submit(

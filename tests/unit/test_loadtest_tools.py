@@ -1,19 +1,24 @@
 """What the load tests' numbers rest on: the ingress they ask for is the one they get (or they say
 why not), the @serve.batch baseline's concatenated torch calls give each request its own result,
-the soak counts only promised load shedding as shed, and its memory figures follow each replica
-process across a kill."""
+the soak counts only promised load shedding as shed, its memory figures follow each replica
+process across a kill, and CPU is reported by the OS names our threads carry."""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from gpuos_core import OpCall
+from gpuos_core.threads import OS_NAME_BYTES, daemon
 from loadtest.baselines import grouped, reference, run_group
-from loadtest.launch import HAPROXY_ENV, ingress_env
+from loadtest.launch import HAPROXY_ENV, ingress_env, thread_cpu_seconds
 from loadtest.soak import Sample, memory_summary
 from loadtest.statuses import SHED, shed
 
@@ -103,3 +108,27 @@ def test_soak_memory_follows_each_replica_process_across_a_kill() -> None:
     assert (replicas["2"]["rss_mb_start"], replicas["2"]["rss_mb_end"]) == (410.0, 430.0)
     assert (replicas["3"]["from_s"], replicas["3"]["rss_mb_start"]) == (180.0, 380.0)
     assert (summary["gpu_used_mb_start"], summary["gpu_used_mb_end"]) == (1500.0, 1500.0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names from /proc")
+def test_cpu_is_reported_by_the_os_names_our_threads_carry() -> None:
+    """`top -H` and the load test's replica_thread_cpu_ms tell the engine and the runtime's
+    threads apart by these names."""
+    started, stop = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        started.set()  # named by now: daemon names the OS thread before it runs its target
+        while not stop.is_set():
+            sum(range(1000))
+
+    name = "gpuos-test-spinner"
+    thread = daemon(spin, name)
+    started.wait(5)
+    before = thread_cpu_seconds([os.getpid()])
+    time.sleep(0.5)
+    after = thread_cpu_seconds([os.getpid()])
+    stop.set()
+    thread.join()
+    short = name[:OS_NAME_BYTES]  # the OS keeps 15 bytes
+    assert thread.name == name
+    assert after[short] - before[short] > 0.2  # it spun most of the half second
