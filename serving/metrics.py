@@ -9,6 +9,7 @@ deployment. The LLM's metrics carry vLLM's names and units, so dashboards made f
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import generate_latest
@@ -167,6 +168,23 @@ class LlmMetrics:
             registry=r,
         )
 
+        self._by_model: dict[str, _Children] = {}
+        self._success: dict[tuple[str, str], Counter] = {}  # (model, reason): its child
+
+    def _children(self, model: str) -> _Children:
+        """`model`'s labelled children of the request metrics, looked up once: a labels() call
+        costs the event loop microseconds, six of them a request."""
+        children = self._by_model.get(model)
+        if children is None:
+            children = self._by_model[model] = _Children(
+                self.ttft.labels(model),
+                self.itl.labels(model),
+                self.e2e.labels(model),
+                self.prompt.labels(model),
+                self.generation.labels(model),
+            )
+        return children
+
     def load(self, model: str, running: int, waiting: int) -> None:
         """The engine's queue now (set just before a scrape reads it)."""
         self.running.labels(model).set(running)
@@ -183,15 +201,28 @@ class LlmMetrics:
     ) -> None:
         """One request (one choice) done: `started`, `token_times` and `ended` are
         time.perf_counter() readings; `reason` its finish reason."""
+        m = self._children(model)
         if token_times:
-            self.ttft.labels(model).observe(token_times[0] - started)
-            itl = self.itl.labels(model)  # once: a labels() lookup costs microseconds of the loop
+            m.ttft.observe(token_times[0] - started)
             for before, after in zip(token_times, token_times[1:]):
-                itl.observe(after - before)
-        self.e2e.labels(model).observe(ended - started)
-        self.prompt.labels(model).inc(prompt_tokens)
-        self.generation.labels(model).inc(len(token_times))
-        self.success.labels(model, reason).inc()
+                m.itl.observe(after - before)
+        m.e2e.observe(ended - started)
+        m.prompt.inc(prompt_tokens)
+        m.generation.inc(len(token_times))
+        success = self._success.get((model, reason))
+        if success is None:
+            success = self._success[model, reason] = self.success.labels(model, reason)
+        success.inc()
+
+
+class _Children(NamedTuple):
+    """One model's children of LlmMetrics' request metrics."""
+
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    prompt: Counter
+    generation: Counter
 
 
 def exposition(per_replica: Iterable[tuple[str, Sequence[Metric]]]) -> bytes:
