@@ -4,7 +4,8 @@ Each replica holds one runtime, one coalescer and its view of the operator regis
 (serving/routes.py) is built per replica and handed to Serve by `__serve_build_asgi_app__`, so
 routes close over the services of the replica they use. The methods below the routes are called
 through a DeploymentHandle: `broadcast` reaches every replica (registry pushes, coalescer knobs,
-statistics, reports), and `relay` carries the completions gateway's requests (serving/gateway.py).
+statistics, reports), and `relay_address` tells the completions gateway (serving/gateway.py)
+where this replica's relay channel listens (serving/channel.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import ray
@@ -24,8 +25,10 @@ from ray.serve.handle import DeploymentHandle
 
 from gpuos_core import Runtime, RuntimeConfig
 
+from .channel import ChannelServer
 from .coalescer import Coalescer
 from .completions import (
+    COMPLETION_PATHS,
     CompletionServices,
     LlmService,
     completion_hot_routes,
@@ -35,7 +38,6 @@ from .config import AppArgs, Backend, CoalescerConfig
 from .errors import RegistryDivergedError
 from .metrics import ReplicaMetrics
 from .registry import ChangeNote, RegistryState, RegistryStore, ReplicaRegistry
-from .relay import RelayHead, RelayRequest, relayed
 from .routes import JsonRoute, Services, build_api
 from .schemas import ChangeResponse, ReadyResponse, ReplicaReport, ReplicaStats, admin_op
 from .watch import SwapWatch
@@ -57,6 +59,8 @@ class GpuosReplica:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self._peers: DeploymentHandle | None = None  # handle to this deployment, made on first use
+        self._ip = ray.util.get_node_ip_address()
+        self._channel: asyncio.Future[asyncio.Server] | None = None  # started by relay_address
         self._deployment = (context.deployment, context.app_name)
         self.runtime = Runtime(
             config=RuntimeConfig(backend=args.backend, allow_raw_cuda=args.allow_raw_cuda)
@@ -120,17 +124,24 @@ class GpuosReplica:
             raise RuntimeError(reason)
 
     async def __del__(self) -> None:  # Serve awaits it on the replica's loop at shutdown
+        if self._channel is not None and self._channel.done() and not self._channel.exception():
+            self._channel.result().close()
         if self.llm is not None:
             self.llm.close()
         self.coalescer.flush()
         self.runtime.close()
 
     # -- called through a DeploymentHandle ------------------------------------------------------
-    async def relay(self, request: RelayRequest) -> AsyncIterator[RelayHead | bytes]:
-        """`request` through this replica's HTTP API, streamed back (serving/relay.py): how the
-        completions gateway reaches the replica."""
-        async for item in relayed(self.api, request):
-            yield item
+    async def relay_address(self) -> tuple[str, int]:
+        """Where this replica's relay channel listens (serving/channel.py: how the completions
+        gateway reaches it); the first call starts it, on this replica's event loop."""
+        if self._channel is None:
+            server = ChannelServer(self.api, COMPLETION_PATHS)
+            self._channel = asyncio.ensure_future(
+                asyncio.start_server(server.serve, host=self._ip, port=0)
+            )
+        listening = await asyncio.shield(self._channel)
+        return self._ip, int(listening.sockets[0].getsockname()[1])
 
     # -- called through DeploymentHandle.broadcast ------------------------------------------------
     async def apply_registry(self, state: RegistryState) -> ReplicaReport:

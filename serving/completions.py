@@ -64,6 +64,7 @@ MAX_PROMPTS = 64  # prompts one request may carry (each becomes a choice)
 MAX_LOGPROBS = 20  # most alternatives `logprobs` / `top_logprobs` may ask for (OpenAI's limit)
 NONFINITE_PREFIX = f"{NonFiniteLogitsError.__name__}: "  # how the engine's deltas name it
 DONE = b"data: [DONE]\n\n"  # the last event of every stream
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")  # what the gateway relays
 
 
 # -- the engine of a replica -----------------------------------------------------------------------

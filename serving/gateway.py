@@ -2,11 +2,11 @@
 it may die without the client noticing.
 
 deployments/llm.yaml routes /v1/completions and /v1/chat/completions to two small applications of
-`CompletionsGateway` (no GPU, no model). Each hands the request to a replica of the main app
-through a DeploymentHandle (serving/relay.py: the replica runs it through its own HTTP routes) and
-streams the answer back. If that replica dies (a crash, a kill, a device fault) before the answer
-ended, the gateway sends the request again, to another replica or to the one Serve starts in its
-place, for up to `resume_timeout_s`:
+`CompletionsGateway` (no GPU, no model). Each hands the request to a replica of the main app over
+a relay channel (serving/channel.py; the replica runs it through its own HTTP routes,
+serving/relay.py) and streams the answer back. If that replica dies (a crash, a kill, a device
+fault) before the answer ended, the gateway sends the request again, to another replica or to the
+one Serve starts in its place, for up to `resume_timeout_s`:
 - an answer not yet begun is simply asked again;
 - a stream already begun is replayed, and the gateway drops, choice by choice, the events the
   client already has, checking that their text is the same, then forwards the rest; the client sees
@@ -24,6 +24,7 @@ the gateway would only add a hop to them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -34,20 +35,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 from ray.serve import Application
-from ray.serve.exceptions import (
-    BackPressureError,
-    DeploymentUnavailableError,
-    ReplicaUnavailableError,
-)
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .channel import Channel, ChannelGone
 from .errors import (
     EngineFailedError,
-    QueueFullError,
     ReplicaLostError,
     error_response,
     openai_body,
@@ -58,8 +55,11 @@ from .routes import BodyLimit
 
 __all__ = ["CompletionsGateway", "GatewayArgs", "Splice", "build_gateway", "with_seed"]
 log = logging.getLogger("gpuos.serving")
-# The replica went away (its actor died or is unreachable) or none is there yet: ask again.
-GONE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+# The replica went away (its connection ended, its actor died or is unreachable) or none is
+# there yet: ask again.
+GONE = (ChannelGone, RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+REFRESH_S = 5.0  # how often the gateway asks for the replicas' channels (new ones share load)
+ASK_TIMEOUT_S = 10.0  # for the replicas' answers to that
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade"}
 HISTORY_BYTES = 1 << 20  # events of an answer kept unread at most (see Splice)
 INLINE_BYTES = 65536  # bodies up to this are seeded on the event loop, larger ones in a thread
@@ -272,11 +272,59 @@ def with_seed(body: bytes) -> bytes:
     return json.dumps({**request, "seed": secrets.randbits(63)}).encode()
 
 
+class Channels:
+    """The gateway's relay channels, one to each replica of the target deployment (their
+    addresses from a broadcast, asked again every REFRESH_S and whenever none is open)."""
+
+    def __init__(self, target: Callable[[], DeploymentHandle]) -> None:
+        self.target = target
+        self.open: dict[tuple[str, int], Channel] = {}
+        self._asked_at = -REFRESH_S
+        self._asking: asyncio.Future[None] | None = None
+
+    async def pick(self) -> Channel:
+        """The open channel with the fewest answers in flight; Refused when none can be opened."""
+        live = [c for c in self.open.values() if c.closed is None]
+        if not live or time.monotonic() - self._asked_at > REFRESH_S:
+            await self._refresh()
+            live = [c for c in self.open.values() if c.closed is None]
+        if not live:
+            raise Refused("no replica of the main app answers yet")
+        return min(live, key=lambda c: len(c.streams))
+
+    async def _refresh(self) -> None:
+        """Ask once for every replica's channel address, however many callers wait for it."""
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self._ask())
+        await asyncio.shield(self._asking)
+
+    async def _ask(self) -> None:
+        self._asked_at = time.monotonic()
+        try:
+            answers = await (
+                self.target()
+                .broadcast("relay_address")
+                .results_async(timeout_s=ASK_TIMEOUT_S, return_exceptions=True)
+            )
+        except (RayError, TimeoutError) as exc:  # the channels open stay in use
+            log.warning("asking the replicas for their relay channels: %s", exc)
+            return
+        addresses = {(str(a[0]), int(a[1])) for a in answers if not isinstance(a, BaseException)}
+        for address in list(self.open):
+            if address not in addresses or self.open[address].closed is not None:
+                self.open.pop(address).close()
+        for address in addresses - self.open.keys():
+            try:
+                self.open[address] = await Channel.open(*address)
+            except OSError as exc:
+                log.warning("relay channel to %s:%d: %s", *address, exc)
+
+
 class Gateway:
     """The gateway's ASGI app (inside BodyLimit, which hands it the whole body)."""
 
     def __init__(self, args: GatewayArgs, target: Callable[[], DeploymentHandle]) -> None:
-        self.args, self.target = args, target
+        self.args, self.channels = args, Channels(target)
         self.resumed = Counter(  # Serve adds the application: completions or chat
             "gpuos_gateway_resumed", "answers whose replica failed, sent again to another"
         )
@@ -330,13 +378,8 @@ class Gateway:
                     )
                 )
                 return
-            except BackPressureError as exc:
-                if not splice.started:  # the client decides: 503 with Retry-After
-                    await splice.fail(QueueFullError(f"every replica is busy: {exc}"))
-                    return
-                failure: Exception = exc
             except (*GONE, Refused) as exc:
-                failure = exc
+                failure: Exception = exc
             if not splice.resumable:  # the client has it all but the end of the response
                 await splice.finish()
                 return
@@ -370,15 +413,11 @@ class Gateway:
 
     async def attempt(self, request: RelayRequest, splice: Splice) -> None:
         """One attempt: the replica's answer into `splice`, until it ends or fails."""
-        response = self.target().relay.remote(request)
-        assert isinstance(response, DeploymentResponseGenerator)  # a streaming handle's
-        try:
-            async for item in response:
+        channel = await self.channels.pick()
+        async with contextlib.aclosing(channel.relay(request)) as items:  # closing cancels it
+            async for item in items:
                 await splice.take(item)
-            await splice.finish()
-        finally:
-            if not splice.done:
-                response.cancel()  # the client went away or the attempt failed
+        await splice.finish()
 
 
 def _forwarded(headers: Headers, length: int) -> Headers:
@@ -406,13 +445,13 @@ class GatewayReplica:
         self._target: DeploymentHandle | None = None  # made on first use: the app may start later
 
     def target(self) -> DeploymentHandle:
-        """A streaming handle to the replicas that answer."""
+        """A handle to the replicas that answer."""
         if self._target is None:
             try:
                 handle = serve.get_deployment_handle(self.args.deployment, self.args.app)
             except KeyError as exc:  # Serve's answer while the main app is not deployed
                 raise Refused(str(exc)) from None
-            self._target = handle.options(stream=True)
+            self._target = handle
         return self._target
 
     def __serve_build_asgi_app__(self) -> ASGIApp:

@@ -1,6 +1,6 @@
-"""An HTTP request carried through a DeploymentHandle instead of a socket: the completions gateway
-(serving/gateway.py) sends a `RelayRequest` to a replica, whose `relay` method runs it through the
-replica's own ASGI app (`relayed`) and streams back a `RelayHead` and then the body's bytes. So a
+"""An HTTP request carried to a replica by the completions gateway (serving/gateway.py) over its
+relay channel (serving/channel.py) instead of HTTP: the replica runs each `RelayRequest` through
+its own ASGI app (`relayed`) and streams back a `RelayHead` and then the body's bytes. So a
 relayed request meets the same routes, validation, limits and error answers as one sent to the
 replica over HTTP, and nothing about completions is written twice.
 
@@ -34,8 +34,8 @@ class RelayRequest:
 @dataclass(frozen=True)
 class RelayHead:
     """The response's status line and headers, and its body's first piece (what the app sent with
-    or right after its head): the first item a relay yields. Joined because each item a replica
-    yields is a Ray streaming item, whose cost (serialization, gRPC) is most of a relay's."""
+    or right after its head): the first item a relay yields. Joined: each item is a frame the
+    replica's event loop writes to the gateway (serving/channel.py)."""
 
     status: int
     headers: Headers

@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Message
 
 from serving import gateway
+from serving.channel import FRAME, Channel, ChannelGone, ChannelServer
 from serving.errors import ReplicaLostError
 from serving.gateway import Diverged, Refused, Splice, with_seed
 from serving.relay import RelayHead, RelayRequest, relayed
@@ -230,9 +231,10 @@ def test_requests_without_a_seed_get_one_and_others_are_left_alone() -> None:
         assert with_seed(body) == body  # the replica answers what is wrong with it
 
 
-def test_a_relayed_request_meets_the_app_and_a_closed_relay_stops_its_stream() -> None:
+def echo_app(stopped: asyncio.Event) -> FastAPI:
+    """POST /echo answers its JSON body; POST /stream streams 1000 events, setting `stopped` when
+    its stream ends (finished or cancelled)."""
     app = FastAPI()
-    stopped = asyncio.Event()
 
     @app.post("/echo")
     async def echo(body: dict[str, Any]) -> dict[str, Any]:
@@ -250,9 +252,18 @@ def test_a_relayed_request_meets_the_app_and_a_closed_relay_stops_its_stream() -
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def request(path: str, body: bytes) -> RelayRequest:
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        return RelayRequest("POST", path, b"", headers, body)
+    return app
+
+
+def request(path: str, body: bytes) -> RelayRequest:
+    """A JSON POST as the gateway relays it."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    return RelayRequest("POST", path, b"", headers, body)
+
+
+def test_a_relayed_request_meets_the_app_and_a_closed_relay_stops_its_stream() -> None:
+    stopped = asyncio.Event()
+    app = echo_app(stopped)
 
     async def run() -> tuple[list[RelayHead | bytes], list[RelayHead | bytes]]:
         answered = [item async for item in relayed(app, request("/echo", b'{"a": 1}'))]
@@ -270,3 +281,60 @@ def test_a_relayed_request_meets_the_app_and_a_closed_relay_stops_its_stream() -
     assert isinstance(head, RelayHead) and head.status == 200
     assert json.loads(head.body) == {"got": {"a": 1}}
     assert isinstance(bad[0], RelayHead) and bad[0].status == 422
+
+
+def test_the_relay_channel_carries_answers_cancels_streams_and_reports_a_lost_replica() -> None:
+    """Many answers over one connection; a gateway that stops reading a stream cancels it on the
+    replica; a path other than the relayed ones is refused; a closed connection fails the
+    answers in flight with ChannelGone (the gateway then sends them again)."""
+    stopped = asyncio.Event()
+    app = echo_app(stopped)
+
+    async def answer(channel: Channel, path: str, body: bytes) -> list[RelayHead | bytes]:
+        return [item async for item in channel.relay(request(path, body))]
+
+    async def run() -> None:
+        server = ChannelServer(app, ("/echo", "/stream"))
+        connections: list[asyncio.StreamWriter] = []
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            connections.append(writer)
+            await server.serve(reader, writer)
+
+        listening = await asyncio.start_server(serve, "127.0.0.1", 0)
+        channel = await Channel.open("127.0.0.1", listening.sockets[0].getsockname()[1])
+        answers = await asyncio.gather(
+            *(answer(channel, "/echo", b'{"a": %d}' % i) for i in range(20))
+        )
+        for i, (head, *rest) in enumerate(answers):
+            assert isinstance(head, RelayHead) and head.status == 200
+            assert json.loads(head.body + b"".join(rest)) == {"got": {"a": i}}  # type: ignore[arg-type]
+        (refused,) = await answer(channel, "/admin/ops", b"{}")
+        assert isinstance(refused, RelayHead) and refused.status == 404
+
+        streamed = channel.relay(request("/stream", b""))
+        head = await anext(streamed)
+        assert isinstance(head, RelayHead) and head.body.startswith(b"data: 0")
+        await streamed.aclose()  # the gateway's client went away
+        await asyncio.wait_for(stopped.wait(), 5)
+
+        stopped.clear()
+        cut = channel.relay(request("/stream", b""))
+        await anext(cut)
+        connections[-1].transport.abort()  # the replica dies mid-answer
+        with pytest.raises(ChannelGone):
+            async for _ in cut:
+                pass
+        channel.close()
+
+        # a peer that is not a gateway is hung up on; the replica serves the others
+        reader, writer = await asyncio.open_connection(*listening.sockets[0].getsockname()[:2])
+        writer.write(FRAME.pack(1 << 31, 0, 0))
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        other = await Channel.open("127.0.0.1", listening.sockets[0].getsockname()[1])
+        (head,) = await answer(other, "/echo", b"{}")
+        assert isinstance(head, RelayHead) and head.status == 200
+        other.close()
+        listening.close()
+
+    asyncio.run(run())
