@@ -283,20 +283,28 @@ class Channels:
         self._asking: asyncio.Future[None] | None = None
 
     async def pick(self) -> Channel:
-        """The open channel with the fewest answers in flight; Refused when none can be opened."""
-        live = [c for c in self.open.values() if c.closed is None]
-        if not live or time.monotonic() - self._asked_at > REFRESH_S:
-            await self._refresh()
-            live = [c for c in self.open.values() if c.closed is None]
+        """The open channel with the fewest answers in flight; Refused when none can be opened.
+        With none open it waits for the replicas' addresses; else it asks again in the
+        background every REFRESH_S (replicas that joined share the next picks)."""
+        if not self._live():
+            await asyncio.shield(self._asked())
+        elif time.monotonic() - self._asked_at > REFRESH_S:
+            self._asked()
+        live = self._live()
         if not live:
             raise Refused("no replica of the main app answers yet")
         return min(live, key=lambda c: len(c.streams))
 
-    async def _refresh(self) -> None:
-        """Ask once for every replica's channel address, however many callers wait for it."""
+    def _live(self) -> list[Channel]:
+        return [c for c in self.open.values() if c.closed is None]
+
+    def _asked(self) -> asyncio.Future[None]:
+        """The ask for the replicas' addresses under way, or a new one (one at a time, however
+        many callers wait for it)."""
         if self._asking is None or self._asking.done():
             self._asking = asyncio.ensure_future(self._ask())
-        await asyncio.shield(self._asking)
+            self._asking.add_done_callback(_seen)
+        return self._asking
 
     async def _ask(self) -> None:
         self._asked_at = time.monotonic()
@@ -318,6 +326,13 @@ class Channels:
                 self.open[address] = await Channel.open(*address)
             except OSError as exc:
                 log.warning("relay channel to %s:%d: %s", *address, exc)
+
+
+def _seen(asked: asyncio.Future[None]) -> None:
+    """Mark a background ask's failure seen: the next pick that needs a replica asks again and
+    meets it (Refused: the main app is not deployed yet)."""
+    if not asked.cancelled():
+        asked.exception()
 
 
 class Gateway:
