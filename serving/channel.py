@@ -127,13 +127,15 @@ class ChannelServer:
         request = RelayRequest(
             head["method"], head["path"], head["query"].encode(), _raw(head["headers"]), body
         )
-        async for item in relayed(self.app, request):
-            if isinstance(item, RelayHead):
-                answer = {"status": item.status, "headers": _headers(item.headers)}
-                writer.write(frame(stream, HEAD, pack(answer, item.body)))
-            else:
-                writer.write(frame(stream, BODY, item))
-            await writer.drain()
+        # closed on the way out, cancelled or not: that cancels the app (relayed's contract)
+        async with contextlib.aclosing(relayed(self.app, request)) as items:
+            async for item in items:
+                if isinstance(item, RelayHead):
+                    answer = {"status": item.status, "headers": _headers(item.headers)}
+                    writer.write(frame(stream, HEAD, pack(answer, item.body)))
+                else:
+                    writer.write(frame(stream, BODY, item))
+                await writer.drain()
         writer.write(frame(stream, END))
 
 

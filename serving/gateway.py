@@ -369,9 +369,11 @@ class Gateway:
         )
         answer = asyncio.create_task(self.answer(request, Splice(send)))
         gone = asyncio.ensure_future(receive())  # BodyLimit's receive now reports a disconnect
-        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
-        for task in (answer, gone):
-            task.cancel()
+        try:
+            await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when Serve cancels this call (its caller went away): the answer stops
+            for task in (answer, gone):
+                task.cancel()
         if answer.done() and not answer.cancelled():
             answer.result()
 

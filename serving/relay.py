@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive
@@ -42,7 +42,7 @@ class RelayHead:
     body: bytes = b""
 
 
-async def relayed(app: ASGIApp, request: RelayRequest) -> AsyncIterator[RelayHead | bytes]:
+async def relayed(app: ASGIApp, request: RelayRequest) -> AsyncGenerator[RelayHead | bytes, None]:
     """Run `request` through `app`: its head with the body's first piece, then the rest in pieces
     (what the app sent since the last piece, joined, so a busy replica yields fewer, larger
     pieces). Closing the iterator (the caller went away) cancels the app as a client disconnect
