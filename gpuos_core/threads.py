@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 import threading
 from collections.abc import Callable
@@ -32,5 +31,5 @@ def name_os_thread(name: str) -> None:
     such call."""
     if not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.prctl(_PR_SET_NAME, name.encode()[:OS_NAME_BYTES], 0, 0, 0)
+    # the process's own symbols hold libc's prctl: no library search (a subprocess, at times)
+    ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:OS_NAME_BYTES], 0, 0, 0)

@@ -237,8 +237,7 @@ def thread_cpu_seconds(pids: Sequence[int]) -> dict[str, float]:
     """User and system CPU seconds of the threads of processes `pids` by the threads' OS names,
     summed over the processes. gpuos_core.threads names the runtime's and the engine's threads;
     Ray's Python threads (the replica's event loop among them) keep the process's name when they
-    started (`ray::IDLE`). Threads
-    and processes gone count 0; no names where there is no /proc."""
+    started (`ray::IDLE`). Threads and processes gone count 0; no names where there is no /proc."""
     totals: dict[str, float] = {}
     for pid in pids:
         try:

@@ -453,10 +453,7 @@ def generation_summary(
     """Tokens/s over `span` from the locustfile's counts; TTFT percentiles of its entry (zeros
     when no stream passed); the engines' steps and program builds between the /v1/stats totals
     `before` and `after`."""
-
-    def grown(key: str) -> float:  # an app without the counter: 0
-        return after.get(key, 0) - before.get(key, 0)
-
+    grown = grown_by_name(before, after)
     generated = Generated(**json.loads(tokens_file(prefix).read_text()))
     return GenerationSummary(
         model=generated.model,
@@ -466,9 +463,9 @@ def generation_summary(
         tokens_per_s=generated.tokens / span if span else 0.0,
         ttft_p50_ms=ttft.p50_ms if ttft else 0.0,
         ttft_p99_ms=ttft.p99_ms if ttft else 0.0,
-        steps=int(grown("llm_steps")),
-        programs_built=int(grown("llm_programs")),
-        program_build_s=grown("llm_program_build_ms") / 1000,
+        steps=int(grown.get("llm_steps", 0)),  # an app without the counter: 0
+        programs_built=int(grown.get("llm_programs", 0)),
+        program_build_s=grown.get("llm_program_build_ms", 0) / 1000,
     )
 
 

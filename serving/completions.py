@@ -387,11 +387,10 @@ def completion_routes(replica: CompletionServices, route_class: type[APIRoute]) 
 def completion_hot_routes(replica: CompletionServices) -> dict[str, HotRoute]:
     """POST /v1/completions and /v1/chat/completions, for HotPaths: the answers their routes
     give."""
+    complete, chat = COMPLETION_PATHS
     return {
-        "/v1/completions": HotRoute(CompletionRequest, lambda body, _: _complete(replica, body)),
-        "/v1/chat/completions": HotRoute(
-            ChatCompletionRequest, lambda body, _: _chat(replica, body)
-        ),
+        complete: HotRoute(CompletionRequest, lambda body, _: _complete(replica, body)),
+        chat: HotRoute(ChatCompletionRequest, lambda body, _: _chat(replica, body)),
     }
 
 
