@@ -28,7 +28,7 @@ class LlmArgs(BaseModel):
     tiny_family: Literal["gpt2", "llama"] = "gpt2"  # which tiny model when `model` is None
     served_name: str | None = None  # id clients send as `model`; None: the directory's name
     dtype: Literal["float32", "float16", "bfloat16"] | None = None  # None: the checkpoint's
-    max_running: int = Field(16, ge=1, le=1024)  # requests decoded together (KV slots)
+    max_running: int = Field(64, ge=1, le=1024)  # requests decoded together (KV slots)
     max_len: int | None = Field(None, ge=2)  # tokens per slot; None: the model's limit
     max_waiting: int = Field(256, ge=0)  # queued beyond this: 503
     max_step_tokens: int = Field(512, ge=1)  # new rows one step takes (prompts chunked)

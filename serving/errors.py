@@ -31,6 +31,7 @@ from gpuos_core.backends.cudadrv import CudaError
 from serving.llm.engine import (
     EngineClosedError,
     EngineFullError,
+    KVMemoryError,
     NonFiniteLogitsError,
     PromptTooLongError,
 )
@@ -127,6 +128,7 @@ STATUS: Mapping[type[BaseException], int] = {
     NonFiniteLogitsError: 500,
     CudaError: 500,
     ModelLoadError: 500,
+    KVMemoryError: 500,  # at start: the pool does not fit; its message names the settings
     RegistryError: 500,
     EngineFailedError: 500,
     core.WaitTimeoutError: 503,

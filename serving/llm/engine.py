@@ -32,7 +32,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -61,6 +61,10 @@ class PromptTooLongError(GpuosError, ValueError):
     """A prompt (or prompt + max_tokens) does not fit the engine's context."""
 
 
+class KVMemoryError(GpuosError):
+    """The KV pool (max_running slots of max_len tokens) does not fit in the device's memory."""
+
+
 class EngineClosedError(GpuosError):
     """The engine was closed: no new requests, unfinished ones are failed."""
 
@@ -69,7 +73,7 @@ class EngineClosedError(GpuosError):
 class EngineConfig:
     """Knobs of one engine (the `llm:` block of the app's args)."""
 
-    max_running: int = 16  # KV slots: requests decoded together
+    max_running: int = 64  # KV slots: requests decoded together
     max_len: int | None = None  # tokens one slot holds (prompt + completion); None: model's limit
     max_waiting: int = 256  # requests queued for a slot beyond this are refused
     max_step_tokens: int = 512  # new rows one step may take (bounds a step behind a long prompt)
@@ -124,9 +128,15 @@ class _Stream:
     through the engine's outbox."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop | None, outbox: _Outbox, keep_logits: bool = False
+        self,
+        loop: asyncio.AbstractEventLoop | None,
+        outbox: _Outbox,
+        on_cancel: Callable[[], None],
+        keep_logits: bool = False,
     ) -> None:
+        """`on_cancel` runs on the consumer's thread when it cancels (tells the engine to look)."""
         self.cancelled = False  # set by the consumer (client gone): the engine drops the request
+        self._on_cancel = on_cancel
         # The logits [vocab] (fp32, CPU) each token was chosen from, when asked for (checks).
         self.logits: list[torch.Tensor] | None = [] if keep_logits else None
         self.tokens: list[int] = []  # ids generated so far (the engine thread appends)
@@ -152,6 +162,7 @@ class _Stream:
     def cancel(self) -> None:
         """Stop generating (the consumer went away); the engine frees the slot next step."""
         self.cancelled = True
+        self._on_cancel()
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         assert self._async is not None, "submitted without a loop: iterate it in a thread"
@@ -359,10 +370,7 @@ class Engine:
         self.max_len = min(
             self.config.max_len or model.config.max_positions, model.config.max_positions
         )
-        w = model.weights.embed
-        self.kv = KVPool.allocate(
-            model.config, self.config.max_running, self.max_len, w.dtype, w.device
-        )
+        self.kv = self._allocate_kv()
         self._free = list(range(self.config.max_running))  # a heap: the lowest slot goes first,
         # which keeps decode rows (one per slot up to the highest in use) few
         self._forward: _Forward = (
@@ -379,8 +387,22 @@ class Engine:
         self._inflight: tuple[_Step, Launched] | None = None  # launched, not collected (chained)
         self._lock = threading.Condition()
         self._closed = False
+        self._cancels = False  # a stream was cancelled since the last look: _schedule looks
         self.steps = self.tokens = 0  # steps run, tokens generated (for /v1/stats)
         self._thread = daemon(self._loop, "gpuos-llm-engine")
+
+    def _allocate_kv(self) -> KVPool:
+        """KVMemoryError, saying which settings to lower, when the pool does not fit."""
+        c, w, slots = self.model.config, self.model.weights.embed, self.config.max_running
+        try:
+            return KVPool.allocate(c, slots, self.max_len, w.dtype, w.device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError, or the CPU allocator's refusal
+            need = 2 * c.layers * slots * self.max_len * c.kv_heads * c.head_dim * w.element_size()
+            raise KVMemoryError(
+                f"the KV pool of {slots} slots of {self.max_len} tokens needs "
+                f"{need / 2**30:.2f} GiB on {w.device}, which could not be allocated: lower "
+                f"llm.max_running or llm.max_len ({str(exc).splitlines()[0]})"
+            ) from exc
 
     # -- requests ------------------------------------------------------------------------------
     def submit(
@@ -410,7 +432,7 @@ class Engine:
             _Request(
                 list(prompt),
                 params,
-                _Stream(loop, self._outbox, keep_logits),
+                _Stream(loop, self._outbox, self._cancelled, keep_logits),
                 self.tokenizer.detokenizer(),
                 StopMatcher(params.stop),
                 secrets.randbits(64) if params.seed is None else params.seed,
@@ -433,6 +455,11 @@ class Engine:
         """Blocking convenience: the whole completion text and its last delta."""
         deltas = list(self.submit(prompt, params))
         return "".join(d.text for d in deltas), deltas[-1]
+
+    def _cancelled(self) -> None:
+        # A plain store, safe from any thread: the engine looks at every request once it is set
+        # instead of asking each of them every step.
+        self._cancels = True
 
     def _check_fits(self, prompt: list[int]) -> None:
         """PromptTooLongError unless the prompt is non-empty, in the vocabulary and leaves room."""
@@ -506,10 +533,12 @@ class Engine:
     def _schedule(self) -> _Step | None:
         """Admit waiting requests into free slots, drop cancelled ones, take every running
         request's pending rows (at most max_step_tokens in all, prompts chunked)."""
-        with self._lock:  # submit appends to _waiting from other threads
-            gone = [r for r in self._running + list(self._waiting) if r.cancelled]
-        for r in gone:
-            self._finish(r, "", "cancelled")
+        if self._cancels:
+            self._cancels = False  # before looking: a cancel from now on is seen next step
+            with self._lock:  # submit appends to _waiting from other threads
+                gone = [r for r in self._running + list(self._waiting) if r.cancelled]
+            for r in gone:
+                self._finish(r, "", "cancelled")
         with self._lock:
             while self._waiting and self._free:
                 request = self._waiting.popleft()

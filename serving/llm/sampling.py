@@ -112,6 +112,8 @@ class StopMatcher:
         self.stops, self.held = tuple(stops), ""
 
     def feed(self, delta: str) -> tuple[str, bool]:
+        if not self.stops:  # most requests: nothing to look for, nothing held
+            return delta, False
         # the held text holds every possible start of a stop that spans deltas, so searching it plus
         # the delta finds every stop occurrence
         text = self.held + delta

@@ -22,6 +22,7 @@ from serving.llm.engine import (
     Engine,
     EngineConfig,
     EngineFullError,
+    KVMemoryError,
     PromptTooLongError,
     _ProgramForward,
 )
@@ -268,6 +269,12 @@ def test_full_queue_is_refused(model_dir: Path, runtime: Runtime) -> None:
         assert {list(s)[-1].finish_reason for s in streams} <= {"cancelled", "length"}
     finally:
         engine.close()
+
+
+def test_a_kv_pool_too_big_names_the_settings_to_lower(model_dir: Path, runtime: Runtime) -> None:
+    model = device_model(model_dir, runtime)
+    with pytest.raises(KVMemoryError, match="lower llm.max_running or llm.max_len"):
+        start(model, runtime, micro_ops="torch", max_running=10**9)
 
 
 @pytest.mark.parametrize("micro_ops", ["runtime", "torch"])

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from serving.llm import ByteTokenizer
 from serving.llm.sampling import Detokenizer, SamplingError, SamplingParams, StopMatcher
-from serving.llm.tokenizer import HFTokenizer
+from serving.llm.tokenizer import HFTokenizer, TextStream
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -119,16 +119,26 @@ def test_every_split_emits_the_text_before_the_stop(text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- detokenisation
-def push_all(detok: Detokenizer, ids: list[int]) -> list[str]:
+def push_all(detok: TextStream, ids: list[int]) -> list[str]:
     return [detok.push(i) for i in ids]
 
 
-def test_byte_tokens_of_multibyte_characters() -> None:
+@pytest.mark.parametrize("stream", ["window", "bytes"])
+def test_byte_tokens_of_multibyte_characters(stream: str) -> None:
     text, tokenizer = "héllo wörld ✓", ByteTokenizer()
-    pieces = push_all(Detokenizer(tokenizer), tokenizer.encode(text))
+    detok = Detokenizer(tokenizer) if stream == "window" else tokenizer.detokenizer()
+    pieces = push_all(detok, tokenizer.encode(text))
     assert "".join(pieces) == text
     assert not any("\ufffd" in p for p in pieces)
     assert pieces[:3] == ["h", "", "é"]  # the first byte of é emits nothing
+
+
+def test_byte_stream_replaces_invalid_bytes_as_decode_does() -> None:
+    tokenizer = ByteTokenizer()
+    ids = [0xFF, 0x41, 0xC3, 0x42, 0xE2, 0x9C, 0x93]  # a stray byte, a cut sequence, then ✓
+    assert "".join(push_all(tokenizer.detokenizer(), ids)) == tokenizer.decode(ids)
+    with pytest.raises(ValueError, match="0..255"):
+        tokenizer.detokenizer().push(256)
 
 
 def train(pre_tokenizer: object, decoder: object, alphabet: list[str]) -> HFTokenizer:

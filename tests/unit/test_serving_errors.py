@@ -33,6 +33,7 @@ from serving.errors import (
 from serving.llm.engine import (
     EngineClosedError,
     EngineFullError,
+    KVMemoryError,
     NonFiniteLogitsError,
     PromptTooLongError,
 )
@@ -65,6 +66,7 @@ EXPECTED_STATUS = {  # the contract, class by class
     core.ProgramError: 500,
     CudaError: 500,
     ModelLoadError: 500,
+    KVMemoryError: 500,
     serving_errors.RegistryError: 500,
     EngineFailedError: 500,
     NonFiniteLogitsError: 500,
