@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import numpy as np
 import torch
+
+# Allocates a task's output: (shape, dtype) -> a tensor on the runtime's device.
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ swap.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -15,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .calls import LaidOut, OpCall, Params
+from .calls import Empty, LaidOut, OpCall, Params
 from .errors import TensorSpecError
 from .expr import Expr, parse
 from .families import Family, family
@@ -205,13 +206,16 @@ def _builtin() -> dict[str, OpSpec]:
 CATALOGUE: Mapping[str, OpSpec] = _builtin()
 
 
-def prepare(spec: OpSpec, call: OpCall, device: torch.device) -> LaidOut:
+def prepare(
+    spec: OpSpec, call: OpCall, device: torch.device, empty: Empty | None = None
+) -> LaidOut:
     """Validate `call` against `spec` and lay it out for encoding; allocates the output if
-    needed."""
+    needed, with `empty` when given (a program's Arena), else torch.empty on `device`."""
     _check_inputs(spec, call.inputs, device)
     lay = spec.kind.fit_out(spec.kind.layout(call.inputs, call.dims, call.keepdim), call.out)
     scalars = _scalars(spec, call.scalars, call.inputs)
-    out = _output(call, lay.out_shape, device, spec.kind.out_dtype)
+    empty = empty or functools.partial(_empty, device=device)
+    out = _output(call, lay.out_shape, device, spec.kind.out_dtype, empty)
     out_ref = out
     if lay.ref_shape != lay.out_shape:  # reductions without keepdim: re-insert the reduced dims
         for d in lay.reduce_dims:
@@ -295,18 +299,26 @@ def _scalars(
     return tuple(values)
 
 
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _output(
-    call: OpCall, shape: tuple[int, ...], device: torch.device, fixed: torch.dtype | None
+    call: OpCall,
+    shape: tuple[int, ...],
+    device: torch.device,
+    fixed: torch.dtype | None,
+    empty: Empty,
 ) -> torch.Tensor:
-    """The caller's `out`, checked, or a new one; `fixed` is the family's output dtype if it has
-    one."""
+    """The caller's `out`, checked, or a new one from `empty`; `fixed` is the family's output
+    dtype if it has one."""
     if fixed is not None and call.out_dtype not in (None, fixed):
         raise TensorSpecError(
             f"{call.op} returns {fixed}; out_dtype {call.out_dtype} is not possible"
         )
     dtype = fixed or call.out_dtype or _promote(call.inputs)
     if call.out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
+        return empty(shape, dtype)
     out = call.out
     kind = f"a {fixed} tensor" if fixed else "a float tensor"
     allowed = (fixed,) if fixed else FLOAT_DTYPES

@@ -35,7 +35,7 @@ import torch
 
 from .abi import MAX_WAITS, NO_EVENT, OP_NOP, RAW_TASK, TASK, TENSOR_REF, field_offset, task_settled
 from .batch import Batch
-from .calls import OpCall, Prepared
+from .calls import Empty, OpCall, Prepared
 from .errors import ProgramError
 from .tasklist import TaskList
 
@@ -106,18 +106,65 @@ class Program:
         return self.tasks.records.view(np.uint64)
 
 
+class Arena:
+    """Memory for the outputs of programs that never run at the same time (a step program of
+    each layout, one arena per parity): each program's build takes its tensors from the start of
+    one buffer, so programs overlay each other and cost the largest one's memory, not the sum of
+    all (as CUDA graphs share one memory pool). A build that needs more than the buffer holds
+    continues in a new, larger one; programs built earlier keep the buffer they use alive.
+    Within a build, tensors never overlap, so the data flow between its tasks is unchanged."""
+
+    ALIGN = 256  # bytes: every tensor starts at a multiple (vector loads, cp.async)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffer = torch.empty(0, dtype=torch.uint8, device=device)
+
+    @property
+    def bytes(self) -> int:
+        """Size of the buffer new builds take their outputs from."""
+        return self._buffer.numel()
+
+    def allocator(self) -> Empty:
+        """A fresh allocator from the buffer's start: the outputs of one program's build."""
+        used = 0
+
+        def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            nonlocal used
+            size = torch.Size(shape).numel() * dtype.itemsize
+            if size == 0:
+                return torch.empty(shape, dtype=dtype, device=self.device)
+            if used + size > self._buffer.numel():
+                grown = max(2 * self._buffer.numel(), size, 1 << 20)
+                self._buffer = torch.empty(grown, dtype=torch.uint8, device=self.device)
+                used = 0  # this build goes on in the new buffer; its earlier outputs stay
+            start, used = used, used + -(-size // self.ALIGN) * self.ALIGN
+            return self._buffer[start : start + size].view(dtype).view(shape)
+
+        return empty
+
+
 class ProgramBuilder:
     """Collects tasks in order; `build()` derives the edges and encodes the program."""
 
     def __init__(
         self,
-        prepare: Callable[[OpCall], Prepared],
+        prepare: Callable[[OpCall, Empty | None], Prepared],
         allocate: Callable[[int], np.ndarray],
         device: torch.device,
+        arena: Arena | None = None,
     ) -> None:
+        """Outputs come from `arena` (Runtime.program) when given, else from torch."""
         self._prepare, self._allocate, self._device = prepare, allocate, device
+        self._empty = arena.allocator() if arena is not None else None
         self._tasks: list[Prepared] = []
         self._after: list[tuple[int, ...]] = []
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor from where this program's outputs come from, for an `out=` of its own."""
+        if self._empty is None:
+            return torch.empty(shape, dtype=dtype, device=self._device)
+        return self._empty(shape, dtype)
 
     def __len__(self) -> int:
         """Tasks added so far: the index the next `add` gets (what `after=` and
@@ -134,7 +181,7 @@ class ProgramBuilder:
             raise ProgramError(
                 f"task {index} ({call.op}): after={bad} must name earlier tasks (0..{index - 1})"
             )
-        self._tasks.append(self._prepare(call))
+        self._tasks.append(self._prepare(call, self._empty))
         self._after.append(order)
         return self._tasks[-1].out
 

@@ -30,7 +30,7 @@ from .abi import TASK, encode_task
 from .backends.base import Backend
 from .backends.cpu import CpuBackend
 from .batch import Batch, Uploads
-from .calls import LaidOut, OpCall, Prepared
+from .calls import Empty, LaidOut, OpCall, Prepared
 from .canary import Comparison, compare_with_current, run_sandboxed
 from .catalogue import OpSpec, expression_spec, new_version, prepare
 from .config import RuntimeConfig
@@ -38,7 +38,7 @@ from .errors import BackendUnavailableError, RawCudaDisabledError, RuntimeClosed
 from .image import ImageBuild, build_image, compile_version
 from .jit import JitCache, device_arch, supported_archs
 from .optable import Image, OpTable, OpVersion, catalogue_table
-from .program import Program, ProgramBuilder
+from .program import Arena, Program, ProgramBuilder
 from .tasklist import TaskList, encode_batch
 
 log = logging.getLogger("gpuos.runtime")
@@ -177,10 +177,11 @@ class Runtime:
         return self._state.image.generation
 
     # -- work ----------------------------------------------------------------------------------
-    def prepare(self, call: OpCall) -> Prepared:
-        """Validate one call against its operator, allocate its output and encode its records
-        (TensorSpecError, UnknownOperatorError). Costs the caller, not the flush: no device work."""
-        task = prepare(self._state.table.current(call.op).spec, call, self.device)
+    def prepare(self, call: OpCall, empty: Empty | None = None) -> Prepared:
+        """Validate one call against its operator, allocate its output (with `empty` when given)
+        and encode its records (TensorSpecError, UnknownOperatorError). Costs the caller, not the
+        flush: no device work."""
+        task = prepare(self._state.table.current(call.op).spec, call, self.device, empty)
         return Prepared.encoded(task, encode_records(task, self._backend.tile_elements))
 
     def submit(
@@ -204,9 +205,11 @@ class Runtime:
         competes for the GIL than `src.cpu()` (see HeldDriver)."""
         self._backend.read(src, dst)
 
-    def program(self) -> ProgramBuilder:
-        """A builder of a device program: `add` calls in order, then `build()` (see program.py)."""
-        return ProgramBuilder(self.prepare, self._backend.host_records, self.device)
+    def program(self, arena: Arena | None = None) -> ProgramBuilder:
+        """A builder of a device program: `add` calls in order, then `build()` (see program.py).
+        Its tasks' outputs come from `arena` when given (programs that never run at once share
+        its memory), else each from torch."""
+        return ProgramBuilder(self.prepare, self._backend.host_records, self.device, arena)
 
     def _run_program(self, program: Program, uploads: Uploads) -> Batch:
         with program.lock:

@@ -36,7 +36,7 @@ import torch
 
 from gpuos_core import OpCall, Runtime
 from gpuos_core.batch import Uploads
-from gpuos_core.program import Program, ProgramBuilder
+from gpuos_core.program import Arena, Program, ProgramBuilder
 from serving.llm.forward import Span, forward
 from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
 
@@ -312,7 +312,7 @@ class ProgramOps:
                 self.inputs["kv_rows"],
                 out=cache.view(-1, new.shape[1] * new.shape[2]),
             )
-        out = torch.empty_like(q)
+        out = self.build.empty(tuple(q.shape), q.dtype)
         first = self.layout.decode
         if first:
             self._attend(layer, q, out, slice(0, first), slice(0, first))
@@ -360,9 +360,7 @@ class ProgramOps:
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         picked = self._add("gather_rows", h, self.inputs["picks"])
-        out = torch.empty(
-            (self.layout.picks, head.shape[0]), dtype=torch.float32, device=head.device
-        )
+        out = self.build.empty((self.layout.picks, head.shape[0]), torch.float32)
         return self._add("linear", picked, head, out=out)
 
 
@@ -397,10 +395,13 @@ class StepProgram:
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         chain: StepChain,
         parity: int,
+        arena: Arena,
     ) -> None:
+        """`arena`: where its activations live, shared by the programs of its parity (a step of
+        one parity runs only once the step before the last has been read back)."""
         self.inputs = StepInputs(layout, rt.device)
         feed = (chain.sampled[1 - parity, 0], chain.clock)
-        ops = ProgramOps(rt.program(), model.config, pool, self.inputs, rotary, feed)
+        ops = ProgramOps(rt.program(arena), model.config, pool, self.inputs, rotary, feed)
         self.logits = forward(model, ops)
         inputs = (self.logits, self.inputs["params"], self.inputs["rng"])
         self.readback = chain.sampled[parity]  # [tokens, sums]: what the host reads

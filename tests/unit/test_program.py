@@ -14,6 +14,7 @@ import torch
 from gpuos_core import CudaConfig, OpCall, Runtime, RuntimeConfig
 from gpuos_core.abi import task_settled
 from gpuos_core.errors import ProgramError, TaskFailedError
+from gpuos_core.program import Arena, Program
 from gpuos_core.tasklist import TaskList
 
 BINARY = ("add", "mul", "sub", "maximum")
@@ -81,6 +82,43 @@ def test_random_dags_equal_the_calls_run_one_by_one(rt: Runtime, seed: int) -> N
         rt.submit(program).wait(30).results()
         for got, ref in zip((c.out for c in calls), want):
             assert torch.equal(got, ref)
+
+
+def chain_program(
+    rt: Runtime, arena: Arena, x: torch.Tensor, depth: int
+) -> tuple[Program, torch.Tensor]:
+    """sigmoid(x) then `depth` - 1 more steps of tanh(h) + x, outputs from `arena`."""
+    build = rt.program(arena)
+    h = build.add(OpCall("sigmoid", (x,)))
+    for _ in range(depth - 1):
+        h = build.add(OpCall("add", (build.add(OpCall("tanh", (h,))), x)))
+    return build.build(), h
+
+
+def chain_reference(x: torch.Tensor, depth: int) -> torch.Tensor:
+    h = torch.sigmoid(x)
+    for _ in range(depth - 1):
+        h = torch.tanh(h) + x
+    return h
+
+
+def test_programs_on_one_arena_share_its_memory_and_each_computes_its_own(rt: Runtime) -> None:
+    """Programs run one at a time (the engine's steps of one parity) may overlay their
+    intermediates: each still gets its own answer when they alternate, and one that needs more
+    than the arena holds grows it without moving the programs built before."""
+    arena = Arena(rt.device)
+    x = torch.randn(64, 300).to(rt.device)
+    small, small_out = chain_program(rt, arena, x[:16], 3)
+    first = arena.bytes
+    big, big_out = chain_program(rt, arena, x, 40)  # 40 x 2 intermediates of 75 KB: grows
+    again, again_out = chain_program(rt, arena, x[:16], 5)  # back at the new buffer's start
+    assert arena.bytes > first
+    assert again_out.untyped_storage().data_ptr() == big_out.untyped_storage().data_ptr()
+    for program, out, rows, depth in ((small, small_out, 16, 3), (big, big_out, 64, 40)) * 2 + (
+        (again, again_out, 16, 5),
+    ):
+        rt.submit(program).wait(30).results()
+        torch.testing.assert_close(out, chain_reference(x[:rows], depth), rtol=1e-5, atol=1e-5)
 
 
 def test_a_rebound_program_runs_over_new_tensors_and_leaves_the_old_ones(rt: Runtime) -> None:
