@@ -298,9 +298,10 @@ class _ProgramForward:
     Arena), so a program kept costs its records and its linears' split-K workspaces."""
 
     # Step programs kept (by layout and parity; the least recently used is dropped): 64 slots
-    # under the completions load test meet 20-40 layouts, twice as many programs, and a build
-    # holds every stream (~0.2 s for GPT-2 small on the H200).
-    PROGRAMS = 128
+    # under the H200 completions load test built 41, and a build holds every stream (~0.1 s for
+    # GPT-2 small there). Each costs ~57 MB for GPT-2 small (its linears' and attention's
+    # split-K workspaces, ~4 MB a linear whatever the model; records), so 64 cost ~3.6 GB.
+    PROGRAMS = 64
     chains = True
 
     def __init__(
