@@ -518,7 +518,9 @@ async def _complete(replica: CompletionServices, body: CompletionRequest) -> Res
         return _echo_only(body, head, choices)
     loop, keep = asyncio.get_running_loop(), body.logprobs is not None
     started = time.perf_counter()
-    submitted = llm.engine.submit_many([c.prompt for c in choices], params, loop, keep)
+    submitted = llm.engine.submit_many(
+        [c.prompt for c in choices], params, loop, keep, incremental=bool(body.stream)
+    )
     for choice, stream in zip(choices, submitted):
         choice.stream = stream
     streams = [c.stream for c in choices if c.stream is not None]
@@ -620,7 +622,9 @@ async def _chat(replica: CompletionServices, body: ChatCompletionRequest) -> Res
     keep = bool(body.logprobs)
     top = body.top_logprobs or 0
     started = time.perf_counter()
-    stream = llm.engine.submit(prompt, params, asyncio.get_running_loop(), keep_logits=keep)
+    stream = llm.engine.submit(
+        prompt, params, asyncio.get_running_loop(), keep, incremental=bool(body.stream)
+    )
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "created": int(time.time()),

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 import numpy as np
@@ -134,10 +134,14 @@ class _Stream:
         outbox: _Outbox,
         on_cancel: Callable[[], None],
         keep_logits: bool = False,
+        incremental: bool = True,
     ) -> None:
-        """`on_cancel` runs on the consumer's thread when it cancels (tells the engine to look)."""
+        """`on_cancel` runs on the consumer's thread when it cancels (tells the engine to look).
+        `incremental` False: the text is held and handed over whole with the last delta (a
+        consumer that only joins the pieces then wakes once, not once a token)."""
         self.cancelled = False  # set by the consumer (client gone): the engine drops the request
         self._on_cancel = on_cancel
+        self._held: list[str] | None = None if incremental else []
         # The logits [vocab] (fp32, CPU) each token was chosen from, when asked for (checks).
         self.logits: list[torch.Tensor] | None = [] if keep_logits else None
         self.tokens: list[int] = []  # ids generated so far (the engine thread appends)
@@ -150,6 +154,11 @@ class _Stream:
         self._outbox = outbox
 
     def put(self, delta: Delta) -> None:
+        if self._held is not None:
+            if delta.finish_reason is None:
+                self._held.append(delta.text)
+                return
+            delta = replace(delta, text="".join(self._held) + delta.text)
         if self._async is not None:
             self._outbox.add(*self._async, delta)
         else:
@@ -425,10 +434,12 @@ class Engine:
         params: SamplingParams,
         loop: asyncio.AbstractEventLoop | None = None,
         keep_logits: bool = False,
+        incremental: bool = True,
     ) -> _Stream:
         """Queue a request; its deltas arrive on the returned stream (iterate it, or `async for`
-        when `loop` is the caller's event loop). Raises PromptTooLongError, EngineFullError."""
-        return self.submit_many([prompt], params, loop, keep_logits)[0]
+        when `loop` is the caller's event loop); with `incremental` False, one delta at the end
+        holds the whole text. Raises PromptTooLongError, EngineFullError."""
+        return self.submit_many([prompt], params, loop, keep_logits, incremental)[0]
 
     def submit_many(
         self,
@@ -436,6 +447,7 @@ class Engine:
         params: SamplingParams,
         loop: asyncio.AbstractEventLoop | None = None,
         keep_logits: bool = False,
+        incremental: bool = True,
     ) -> list[_Stream]:
         """Queue requests together, all or none (the choices of one API request, a benchmark's
         batch): the next step admits them at once, as far as slots allow, rather than as they
@@ -446,7 +458,7 @@ class Engine:
             _Request(
                 list(prompt),
                 params,
-                _Stream(loop, self._outbox, self._cancelled, keep_logits),
+                _Stream(loop, self._outbox, self._cancelled, keep_logits, incremental),
                 self.tokenizer.detokenizer(),
                 StopMatcher(params.stop),
                 secrets.randbits(64) if params.seed is None else params.seed,
@@ -467,8 +479,8 @@ class Engine:
 
     def generate(self, prompt: list[int], params: SamplingParams) -> tuple[str, Delta]:
         """Blocking convenience: the whole completion text and its last delta."""
-        deltas = list(self.submit(prompt, params))
-        return "".join(d.text for d in deltas), deltas[-1]
+        (last,) = self.submit(prompt, params, incremental=False)
+        return last.text, last
 
     def _cancelled(self) -> None:
         # A plain store, safe from any thread: the engine looks at every request once it is set

@@ -19,6 +19,7 @@ from gpuos_core import Runtime
 from serving.llm import ByteTokenizer, Model, create_tiny_model, forward_tokens, load_model
 from serving.llm.device_step import Layout
 from serving.llm.engine import (
+    Delta,
     Engine,
     EngineConfig,
     EngineFullError,
@@ -254,6 +255,29 @@ def test_streams_on_an_event_loop_get_every_delta_in_order(engine: Engine) -> No
     threaded = list(engine.submit(prompt, params))
     assert "".join(texts) == "".join(d.text for d in threaded) and len(texts) > 1
     assert threaded[-1].finish_reason == "length" and threaded[-1].error is None
+
+
+def test_a_request_not_incremental_gets_its_whole_text_in_one_delta(engine: Engine) -> None:
+    """What a non-streamed API request asks for: the same text, counts and finish as the
+    deltas of a streamed one, in a single delta at the end, on a loop or in a thread; a stop
+    string still cuts it."""
+    prompt = list(b"hello world")
+
+    async def whole(params: SamplingParams) -> list[Delta]:
+        loop = asyncio.get_running_loop()
+        return [d async for d in engine.submit(prompt, params, loop, incremental=False)]
+
+    for params in (
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=12, temperature=0.0, stop=[" "]),
+    ):
+        deltas = list(engine.submit(prompt, params))
+        threaded = list(engine.submit(prompt, params, incremental=False))
+        for got in (threaded, asyncio.run(whole(params))):
+            assert len(got) == 1 and len(deltas) > 1
+            assert got[0].text == "".join(d.text for d in deltas)
+            assert got[0].finish_reason == deltas[-1].finish_reason
+            assert got[0].completion_tokens == deltas[-1].completion_tokens
 
 
 def test_full_queue_is_refused(model_dir: Path, runtime: Runtime) -> None:
