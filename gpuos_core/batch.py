@@ -55,6 +55,9 @@ class Batch:
         self._callbacks: list[Callable[[Batch], object]] = []
         self._poll: Callable[[], object] | None = None  # backend hook: reap completions now
         self._spin_s = 0.0
+        # Someone blocks on it past the spin, awaits it or gave a callback: a poller reaps it
+        # promptly then, and may leave it for a slower round before (CudaConfig.unwatched_poll_s).
+        self.watched = False
 
     def set_poller(self, poll: Callable[[], object], spin_s: float) -> None:
         """Let `wait()` call `poll` itself for up to `spin_s` before sleeping: a waiting thread
@@ -79,6 +82,7 @@ class Batch:
             while not self._complete and time.perf_counter() < deadline:
                 self._poll()
         if not self._complete:
+            self.watched = True
             if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
                 raise WaitTimeoutError(
                     f"batch of {len(self)} task(s) not complete after {timeout} s"
@@ -97,6 +101,7 @@ class Batch:
             loop = asyncio.get_running_loop()
             future: asyncio.Future[None] = loop.create_future()
             self._waiters.append((loop, future))
+            self.watched = True
         await future
         return self
 
@@ -124,6 +129,7 @@ class Batch:
         with self._lock:
             if not self._complete:
                 self._callbacks.append(fn)
+                self.watched = True
                 return
         fn(self)
 

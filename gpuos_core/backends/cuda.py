@@ -406,6 +406,7 @@ class CudaBackend(Backend):
     def _wait_for_space(self, n: int) -> None:
         """Backpressure: wait (lock released) until n ring slots hold only completed records."""
         while not self.broken and self._tail + n - self._pending[0].oldest > self.config.capacity:
+            self._pending[0].batch.watched = True  # the poller's every round, not its slow one
             self._wake.wait(0.01)
         if self.broken:  # the watchdog failed every pending batch, this one included
             raise StalledWorkerError(self.broken)
@@ -483,15 +484,23 @@ class CudaBackend(Backend):
     def _poll_loop(self) -> None:
         """Reap completions nobody spins on and run the watchdog. It sleeps before each poll, so a
         thread spinning in Batch.wait reaps its own batch without contending for the GIL, and
-        parks only after lingering idle, so a stream of submits need not wake it each time."""
+        parks only after lingering idle, so a stream of submits need not wake it each time.
+        While no pending batch is watched (Batch.watched), it polls every unwatched_poll_s only:
+        a poll takes the GIL that the thread queueing those batches needs."""
         self._use_context()
-        busy_at = time.monotonic()
+        busy_at = polled_at = time.monotonic()
         while self._park_when_idle(busy_at):
             time.sleep(self.config.poll_sleep_s)
-            if self._pending:  # an unlocked peek: a miss only delays to the next round
-                busy_at = time.monotonic()
-                if not self.poll():
-                    self._watchdog()
+            if not self._pending:  # an unlocked peek: a miss only delays to the next round
+                continue
+            busy_at = time.monotonic()
+            if busy_at - polled_at < self.config.unwatched_poll_s and not any(
+                p.batch.watched for p in tuple(self._pending)
+            ):
+                continue
+            polled_at = busy_at
+            if not self.poll():
+                self._watchdog()
 
     def _park_when_idle(self, busy_at: float) -> bool:
         """Block while nothing is pending, once idle for poller_linger_s; False when closed."""

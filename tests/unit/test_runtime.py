@@ -157,6 +157,23 @@ def test_await_does_not_block_the_event_loop(rt: Runtime) -> None:
         assert out.shape == (3, 3)
 
 
+def test_a_batch_nobody_waits_for_completes_and_calls_back(rt: Runtime) -> None:
+    """Completions are reaped without a waiter (a chained step queued behind another), if on
+    the poller's slower round, and a callback given meanwhile runs."""
+    x = torch.randn(64, device=rt.device)
+    batch = rt.submit([rt.prepare(OpCall("exp", (x,)))])
+    for _ in range(1000):
+        if batch.done():
+            break
+        threading.Event().wait(0.001)
+    assert batch.done()
+    torch.testing.assert_close(batch.result(0), torch.exp(x))
+    called = threading.Event()
+    later = rt.submit([rt.prepare(OpCall("exp", (x,)))])
+    later.add_done_callback(lambda b: called.set())
+    assert called.wait(5) and later.done()
+
+
 def test_bad_expression_is_rejected_with_its_position(rt: Runtime) -> None:
     with pytest.raises(ExpressionError) as info:
         rt.register("bad", "A * sigmod(B)")
