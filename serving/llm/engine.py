@@ -307,10 +307,11 @@ class _ProgramForward:
     Arena), so a program kept costs its records and its linears' split-K workspaces."""
 
     # Step programs kept (by layout and parity; the least recently used is dropped): 64 slots
-    # under the H200 completions load test built 41, and a build holds every stream (~0.1 s for
-    # GPT-2 small there). Each costs ~57 MB for GPT-2 small (its linears' and attention's
-    # split-K workspaces, ~4 MB a linear whatever the model; records), so 64 cost ~3.6 GB.
-    PROGRAMS = 64
+    # under the H200 completions load test met 41 with 128 kept, but rebuilt 98-144 times in 30 s
+    # with 64 kept, and a build holds every stream (~0.1 s for GPT-2 small there). Each costs
+    # ~57 MB for GPT-2 small (its linears' and attention's split-K workspaces, ~4 MB a linear
+    # whatever the model; records): 2.3 GB for the 41, ~7 GB at most.
+    PROGRAMS = 128
     chains = True
 
     def __init__(
