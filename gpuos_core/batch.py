@@ -55,26 +55,11 @@ class Batch:
         self._callbacks: list[Callable[[Batch], object]] = []
         self._poll: Callable[[], object] | None = None  # backend hook: reap completions now
         self._spin_s = 0.0
-        # Someone blocks on it past the spin, awaits it or gave a callback: a poller reaps it
-        # promptly then, and may leave it for a slower round before (CudaConfig.unwatched_poll_s).
-        self.watched = False
-        self._on_watch: Callable[[], object] | None = None  # backend hook: wake its poller
 
-    def set_poller(
-        self, poll: Callable[[], object], spin_s: float, on_watch: Callable[[], object]
-    ) -> None:
+    def set_poller(self, poll: Callable[[], object], spin_s: float) -> None:
         """Let `wait()` call `poll` itself for up to `spin_s` before sleeping: a waiting thread
-        then sees completion within microseconds instead of a poller thread's period.
-        `on_watch` runs when the batch becomes watched (wakes a poller that sleeps longer while
-        nothing is)."""
-        self._poll, self._spin_s, self._on_watch = poll, spin_s, on_watch
-
-    def watch(self) -> None:
-        """Mark it watched: its completion is wanted promptly."""
-        if not self.watched:
-            self.watched = True
-            if self._on_watch is not None:
-                self._on_watch()
+        then sees completion within microseconds instead of a poller thread's period."""
+        self._poll, self._spin_s = poll, spin_s
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -94,7 +79,6 @@ class Batch:
             while not self._complete and time.perf_counter() < deadline:
                 self._poll()
         if not self._complete:
-            self.watch()
             if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
                 raise WaitTimeoutError(
                     f"batch of {len(self)} task(s) not complete after {timeout} s"
@@ -113,7 +97,6 @@ class Batch:
             loop = asyncio.get_running_loop()
             future: asyncio.Future[None] = loop.create_future()
             self._waiters.append((loop, future))
-        self.watch()  # outside the lock: the poller may take it to complete the batch
         await future
         return self
 
@@ -139,13 +122,10 @@ class Batch:
     def add_done_callback(self, fn: Callable[[Batch], object]) -> None:
         """Call `fn(batch)` on completion (from the completing thread), or now if complete."""
         with self._lock:
-            pending = not self._complete
-            if pending:
+            if not self._complete:
                 self._callbacks.append(fn)
-        if pending:
-            self.watch()
-        else:
-            fn(self)
+                return
+        fn(self)
 
     def complete(self, errors: dict[int, str] | None = None) -> None:
         """Called by the backend once every record ran: `errors` maps failed *record* indices to

@@ -27,8 +27,6 @@ class CudaConfig:
     spin_s: float = 0.0005  # a waiting thread polls completions itself this long
     poll_sleep_s: float = 2e-4  # the poller thread's pause between polls (a thread waiting
     # on a batch polls itself; this bounds async waits)
-    unwatched_poll_s: float = 5e-3  # batches nobody waits on yet (a chained step queued behind
-    # the running one) are reaped at least this often; each poll takes the GIL
     poller_linger_s: float = 0.01  # the poller keeps polling this long after work ran out before
     # it parks (waking a parked poller costs a submit the GIL)
     trace: bool = False  # diagnostics: the worker records when each record was

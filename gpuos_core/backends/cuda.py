@@ -136,7 +136,6 @@ class CudaBackend(Backend):
         self.launches = 0  # worker launches so far (each lease is one)
         self._closed = False
         self._parked = False  # the poller blocks on _wake (see _park_when_idle)
-        self._watched = threading.Event()  # set when a pending batch becomes watched
         self._poller = daemon(self._poll_loop, "gpuos-cuda-poller")
 
     # -- setup ---------------------------------------------------------------------------------
@@ -288,7 +287,7 @@ class CudaBackend(Backend):
             part = min(self.config.capacity, self.config.publish_chunk)
             for begin in range(0, len(records), part):
                 self._publish(records[begin : begin + part], batch.pinned, pending)
-        batch.set_poller(self.poll, self.config.spin_s, self._watched.set)
+        batch.set_poller(self.poll, self.config.spin_s)
 
     def read(self, src: torch.Tensor, dst: np.ndarray) -> None:
         """Copy on a stream of its own (the copy stream may wait for a producer) and spin, GIL
@@ -407,7 +406,6 @@ class CudaBackend(Backend):
     def _wait_for_space(self, n: int) -> None:
         """Backpressure: wait (lock released) until n ring slots hold only completed records."""
         while not self.broken and self._tail + n - self._pending[0].oldest > self.config.capacity:
-            self._pending[0].batch.watch()  # the poller's every round, not its slow one
             self._wake.wait(0.01)
         if self.broken:  # the watchdog failed every pending batch, this one included
             raise StalledWorkerError(self.broken)
@@ -485,19 +483,11 @@ class CudaBackend(Backend):
     def _poll_loop(self) -> None:
         """Reap completions nobody spins on and run the watchdog. It sleeps before each poll, so a
         thread spinning in Batch.wait reaps its own batch without contending for the GIL, and
-        parks only after lingering idle, so a stream of submits need not wake it each time.
-        While no pending batch is watched (Batch.watched), it sleeps up to unwatched_poll_s
-        instead, until one becomes watched: each wake takes the GIL that the thread queueing those
-        batches (the engine, chaining steps) needs."""
+        parks only after lingering idle, so a stream of submits need not wake it each time."""
         self._use_context()
         busy_at = time.monotonic()
         while self._park_when_idle(busy_at):
-            # the flags are the truth; the event only wakes (a set lost to clear() is seen here)
-            if any(p.batch.watched for p in tuple(self._pending)):
-                time.sleep(self.config.poll_sleep_s)
-            else:
-                self._watched.wait(self.config.unwatched_poll_s)
-                self._watched.clear()
+            time.sleep(self.config.poll_sleep_s)
             if self._pending:  # an unlocked peek: a miss only delays to the next round
                 busy_at = time.monotonic()
                 if not self.poll():
