@@ -38,7 +38,7 @@ from .config import AppArgs, Backend, CoalescerConfig
 from .errors import RegistryDivergedError
 from .metrics import ReplicaMetrics
 from .registry import ChangeNote, RegistryState, RegistryStore, ReplicaRegistry
-from .routes import JsonRoute, Services, build_api
+from .routes import JsonRoute, Services, build_api, relay_entry
 from .schemas import ChangeResponse, ReadyResponse, ReplicaReport, ReplicaStats, admin_op
 from .watch import SwapWatch
 
@@ -136,7 +136,7 @@ class GpuosReplica:
         """Where this replica's relay channel listens (serving/channel.py: how the completions
         gateway reaches it); the first call starts it, on this replica's event loop."""
         if self._channel is None:
-            server = ChannelServer(self.api, COMPLETION_PATHS)
+            server = ChannelServer(relay_entry(self.api), COMPLETION_PATHS)
             self._channel = asyncio.ensure_future(
                 asyncio.start_server(server.serve, host=self._ip, port=0)
             )

@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -144,6 +145,22 @@ def build_api(
     for router in routers:
         api.include_router(router)
     return api
+
+
+def relay_entry(api: FastAPI) -> ASGIApp:
+    """Where a request the relay channel carries (a completion route: HotPaths answers it) enters
+    `api`: its error middleware, with the same handler, then the middlewares build_api adds and
+    what they wrap, past the layers FastAPI adds between the two (its telemetry and its own body
+    limit: ~10% of the replica's event loop a completion on the CPU box). The whole app where
+    that stack is not as expected."""
+    outer = api.build_middleware_stack()
+    node = getattr(outer, "app", None)
+    while node is not None and not isinstance(node, BodyLimit):
+        node = getattr(node, "app", None)
+    if not isinstance(outer, ServerErrorMiddleware) or node is None:
+        log.warning("relay channel: unexpected middleware stack; relaying through the whole app")
+        return api
+    return ServerErrorMiddleware(node, handler=outer.handler, debug=outer.debug)
 
 
 def _install_errors(api: FastAPI, metrics: ReplicaMetrics) -> None:

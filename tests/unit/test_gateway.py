@@ -11,16 +11,19 @@ import random
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import pydantic
 import pytest
-from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message
 
 from serving import gateway
 from serving.channel import FRAME, Channel, ChannelGone, ChannelServer
-from serving.errors import ReplicaLostError
+from serving.errors import ReplicaLostError, error_response
 from serving.gateway import Diverged, Refused, Splice, with_seed
+from serving.hotpaths import HotPaths, HotRoute
 from serving.relay import RelayHead, RelayRequest, relayed
+from serving.routes import BodyLimit, relay_entry
 
 SSE = RelayHead(200, [(b"content-type", b"text/event-stream; charset=utf-8")])
 JSON = RelayHead(200, [(b"content-type", b"application/json")])
@@ -338,3 +341,43 @@ def test_the_relay_channel_carries_answers_cancels_streams_and_reports_a_lost_re
         listening.close()
 
     asyncio.run(run())
+
+
+class Echo(pydantic.BaseModel):
+    a: int
+
+
+def test_the_channels_entry_keeps_the_apps_body_limit_hot_routes_and_error_answer() -> None:
+    """relay_entry skips FastAPI's own layers but not ours: a hot route answers as through the
+    whole app, a body over the limit gets 413, and a bug gets the app's 500 answer."""
+
+    async def answer(body: Echo, tail: str) -> Response:
+        if body.a < 0:
+            raise RuntimeError("a bug")
+        return JSONResponse({"got": body.a})
+
+    api = FastAPI()
+    api.add_middleware(HotPaths, routes={"/hot": HotRoute(Echo, answer)}, on_error=error_response)
+    api.add_middleware(BodyLimit, limit=64, on_reject=lambda: None)
+
+    @api.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> Response:
+        return JSONResponse({"bug": str(exc)}, status_code=500)
+
+    entry = relay_entry(api)
+    assert entry is not api
+
+    async def post(app: Any, body: bytes) -> tuple[int, bytes]:
+        items = [item async for item in relayed(app, request("/hot", body))]
+        head = items[0]
+        assert isinstance(head, RelayHead)
+        return head.status, head.body + b"".join(i for i in items[1:] if isinstance(i, bytes))
+
+    async def run() -> list[tuple[int, bytes]]:
+        bodies = (b'{"a": 3}', b'{"a": %s}' % (b"1" * 100), b'{"a": -1}')
+        return [await post(app, body) for body in bodies for app in (entry, api)]
+
+    ok, ok_api, big, big_api, buggy, buggy_api = asyncio.run(run())
+    assert ok == ok_api == (200, b'{"got":3}')
+    assert big[0] == big_api[0] == 413
+    assert buggy == buggy_api == (500, b'{"bug":"a bug"}')
