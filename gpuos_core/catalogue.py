@@ -8,7 +8,6 @@ swap.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -214,7 +213,6 @@ def prepare(
     _check_inputs(spec, call.inputs, device)
     lay = spec.kind.fit_out(spec.kind.layout(call.inputs, call.dims, call.keepdim), call.out)
     scalars = _scalars(spec, call.scalars, call.inputs)
-    empty = empty or functools.partial(_empty, device=device)
     out = _output(call, lay.out_shape, device, spec.kind.out_dtype, empty)
     out_ref = out
     if lay.ref_shape != lay.out_shape:  # reductions without keepdim: re-insert the reduced dims
@@ -299,26 +297,24 @@ def _scalars(
     return tuple(values)
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def _output(
     call: OpCall,
     shape: tuple[int, ...],
     device: torch.device,
     fixed: torch.dtype | None,
-    empty: Empty,
+    empty: Empty | None,
 ) -> torch.Tensor:
-    """The caller's `out`, checked, or a new one from `empty`; `fixed` is the family's output
-    dtype if it has one."""
+    """The caller's `out`, checked, or a new one (from `empty` when given); `fixed` is the
+    family's output dtype if it has one."""
     if fixed is not None and call.out_dtype not in (None, fixed):
         raise TensorSpecError(
             f"{call.op} returns {fixed}; out_dtype {call.out_dtype} is not possible"
         )
     dtype = fixed or call.out_dtype or _promote(call.inputs)
-    if call.out is None:
-        return empty(shape, dtype)
+    if call.out is None:  # no allocator made per call: this is every coalesced task's path
+        return (
+            torch.empty(shape, dtype=dtype, device=device) if empty is None else empty(shape, dtype)
+        )
     out = call.out
     kind = f"a {fixed} tensor" if fixed else "a float tensor"
     allowed = (fixed,) if fixed else FLOAT_DTYPES

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -421,7 +422,7 @@ class Engine:
         try:
             return KVPool.allocate(c, slots, self.max_len, w.dtype, w.device)
         except RuntimeError as exc:  # torch.OutOfMemoryError, or the CPU allocator's refusal
-            need = 2 * c.layers * slots * self.max_len * c.kv_heads * c.head_dim * w.element_size()
+            need = 2 * math.prod(KVPool.shape(c, slots, self.max_len)) * w.element_size()
             raise KVMemoryError(
                 f"the KV pool of {slots} slots of {self.max_len} tokens needs "
                 f"{need / 2**30:.2f} GiB on {w.device}, which could not be allocated: lower "

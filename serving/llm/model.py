@@ -805,8 +805,13 @@ class KVPool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
     ) -> KVPool:
-        shape = (config.layers, slots, max_len, config.kv_heads, config.head_dim)
+        shape = cls.shape(config, slots, max_len)
         return cls(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(2)))
+
+    @staticmethod
+    def shape(config: ModelConfig, slots: int, max_len: int) -> tuple[int, ...]:
+        """Shape of the keys (and of the values) of a pool of `slots` slots of `max_len`."""
+        return (config.layers, slots, max_len, config.kv_heads, config.head_dim)
 
     @property
     def slots(self) -> int:
