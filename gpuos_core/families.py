@@ -402,11 +402,16 @@ class AttentionFamily(Family):
 
     def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
         """Records of neighbouring items, ATTENTION_RECORDS_PER_SM per multiprocessor at most (so
-        that blocks claiming them even out ragged rows); one record when None."""
+        that blocks claiming them even out ragged rows); in warp mode the items of about
+        ATTENTION_WARPS groups each, and at least a record per SM. One record when None."""
         if tile_elements is None:
             return [(0, task.items)]
-        sms = _sm_count(task.inputs[0].device)
-        records = max(1, min(task.items, ATTENTION_RECORDS_PER_SM * sms))
+        sms, plan = _sm_count(task.inputs[0].device), AttentionPlan.of(*task.inputs)
+        if plan.warps:
+            records = max(_ceil_div(plan.groups, ATTENTION_WARPS), sms)
+        else:
+            records = ATTENTION_RECORDS_PER_SM * sms
+        records = max(1, min(task.items, records))
         bounds = [r * task.items // records for r in range(records + 1)]
         return list(zip(bounds[:-1], bounds[1:]))
 
@@ -786,12 +791,17 @@ class LinearFamily(Family):
 
 # The cut of cuda/ops/attention.cuh (its GPUOS_ATTN_* constants; tests/unit/test_attention.py
 # checks that they agree).
-ATTENTION_ALIGN = 128  # a split's keys come in multiples of this: 16-key tiles over 8 warps
+ATTENTION_WARPS = 8  # warps of a block that scan keys
+ATTENTION_ALIGN = 16 * ATTENTION_WARPS  # a split's keys come in multiples of this: 16-key tiles
 ATTENTION_ACC = 16  # output accumulators per lane: queries of an item x D / 32
 ATTENTION_MAX_Q = 8  # queries of an item at most
-ATTENTION_HEADER = 4  # workspace words before the counters: G, NQ, C, S
+ATTENTION_HEADER = 8  # workspace words before the counters: G, NQ, C, S, W, then zeros
 ATTENTION_ITEMS_PER_SM = 4  # keys are split until the items cover the SMs this many times
 ATTENTION_RECORDS_PER_SM = 4  # records per SM at most
+# Warp mode (a warp an item), for at least a group per SM: splits of at most this many keys (16
+# tiles one warp scans in turn), unless that makes more than this many items per SM.
+ATTENTION_WARP_KEYS = 256
+ATTENTION_WARP_ITEMS_PER_SM = 256
 
 
 @dataclass(frozen=True)
@@ -805,6 +815,7 @@ class AttentionPlan:
     keys: int  # L
     d: int  # D
     splits: int  # S
+    warps: bool = False  # W: warp mode, where the device can run it
 
     @property
     def nq(self) -> int:
@@ -845,24 +856,31 @@ class AttentionPlan:
     def of(
         cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
     ) -> AttentionPlan:
-        """The plan of encoded views (lengths over q's leading dims, then anything): enough splits
-        that the items cover ATTENTION_ITEMS_PER_SM times the SMs, when the keys allow."""
+        """The plan of encoded views (lengths over q's leading dims, then anything). With a
+        group per SM or more, warp mode and splits of ATTENTION_WARP_KEYS (a block's items would
+        each cost their latency one after another, whatever their keys), when the items stay
+        within ATTENTION_WARP_ITEMS_PER_SM; else enough splits that the items cover
+        ATTENTION_ITEMS_PER_SM times the SMs, when the keys allow."""
         lead, group = q.shape[:-1], 1
         for dim in reversed(range(len(lead))):
             if lead[dim] != 1 and (k.stride(dim) or v.stride(dim) or lengths.stride(dim)):
                 break
             group *= lead[dim]
         plan = cls(math.prod(lead), max(group, 1), k.shape[-2], q.shape[-1], 1)
-        want = _ceil_div(ATTENTION_ITEMS_PER_SM * _sm_count(q.device), max(plan.groups, 1))
-        plan = replace(plan, splits=max(1, min(want, _ceil_div(plan.keys, ATTENTION_ALIGN))))
+        sms, short = _sm_count(q.device), _ceil_div(plan.keys, ATTENTION_WARP_KEYS)
+        if plan.groups >= sms and plan.groups * short <= ATTENTION_WARP_ITEMS_PER_SM * sms:
+            plan = replace(plan, splits=short, warps=True)
+        else:
+            want = _ceil_div(ATTENTION_ITEMS_PER_SM * sms, max(plan.groups, 1))
+            most = _ceil_div(plan.keys, ATTENTION_ALIGN)
+            plan = replace(plan, splits=max(1, min(want, most)))
         return replace(plan, splits=_ceil_div(plan.keys, plan.chunk))  # no split without keys
 
     def workspace(self, device: torch.device) -> torch.Tensor:
         """Zeroed (the counters must be), after the header the device reads the plan from."""
         words = torch.zeros(self.workspace_words, dtype=torch.int32, device=device)
-        words[:ATTENTION_HEADER] = torch.tensor(
-            [self.group, self.nq, self.chunk, self.splits], dtype=torch.int32
-        )
+        header = [self.group, self.nq, self.chunk, self.splits, int(self.warps)]
+        words[: len(header)] = torch.tensor(header, dtype=torch.int32)
         return words
 
     def owned_rows(self, begin: int, end: int) -> torch.Tensor:

@@ -8,8 +8,8 @@
  *           every run (n = min(lengths[row], L); out = 0 when n <= 0); the host puts L there when
  *           the caller gave none. Its last dim has size 1, so no element is addressed through its
  *           stride, which instead holds the address of the task's workspace in int32 words (the
- *           ABI has no fifth input). The workspace, int32: GPUOS_ATTN_HEADER words (G, NQ, C, S),
- *           then one arrival counter per group (zero between tasks: the last arrival resets it),
+ *           ABI has no fifth input). The workspace, int32: GPUOS_ATTN_HEADER words (G, NQ, C, S,
+ *           W, then zeros), then one arrival counter per group (zero between tasks: the last arrival resets it),
  *           padded to a multiple of 4 words, then S * groups partials when S > 1;
  *   out [..., D]; scalars[0] = scale.
  * Plan: the innermost G rows over which K, V and lengths do not move share one pass over their
@@ -19,13 +19,20 @@
  * a program keeps its records when lengths change: splits at or past a row's length return at
  * once, and a row with n keys has A = ceil(n / C) active splits.
  *
- * An item: warp w of the first GPUOS_ATTN_WARPS takes 16-key tiles w, w + W, ... of the split
- * with an online softmax (running max m and sum l per query, accumulators rescaled when m grows);
- * the warps' states are merged in warp order. With A = 1 the block writes out; otherwise it
- * stores its partial (m, l, o per query), fences, and counts itself in on the group's counter
- * (atomicInc wraps at A); the block that arrives last combines the A partials in split order.
- * Every step has a fixed order, so results are bitwise reproducible. A task must not run
- * concurrently with itself (a second run would share the counters).
+ * Block mode (W = 0): the block takes the record's items one after another; in an item, warp w
+ * of the first GPUOS_ATTN_WARPS takes 16-key tiles w, w + 8, ... of the split with an online
+ * softmax (running max m and sum l per query, accumulators rescaled when m grows), and the warps'
+ * states are merged in warp order. Warp mode (W = 1, for many groups of short splits, where an
+ * item's serial latency and not its keys is the cost): each warp takes whole items, the tiles of
+ * its split one after another; the record's items that have keys (read from the lengths as they
+ * are, 32 at a time by the lanes) are dealt to the warps in turn, so ragged rows spread evenly.
+ * It needs the tensor-core path and GPUOS_ATTN_WARPS staging areas in dynamic shared memory;
+ * without them the block mode runs the same items. In either mode, with A = 1 the item's
+ * outputs go to out; otherwise it stores its partial (m, l, o per query), fences, and counts
+ * itself in on the group's counter (atomicInc wraps at A); the block or warp that arrives last
+ * combines the A partials in split order. Every step has a fixed order, so results are bitwise
+ * reproducible. A task must not run concurrently with itself (a second run would share the
+ * counters).
  *
  * Tensor-core path (q, K, V all fp16 or all bf16, D in {32, 64, 128, 256}, K and V rows
  * contiguous and 16-byte aligned): scores of a tile are m16n8k16 products, K as A (lane (g, c)
@@ -49,8 +56,12 @@
 #define GPUOS_ATTN_ALIGN (GPUOS_ATTN_TILE * GPUOS_ATTN_WARPS) /* a split's keys come in these */
 #define GPUOS_ATTN_MAX_Q 8    /* queries of an item: the N of one product */
 #define GPUOS_ATTN_ACC 16     /* output accumulators per lane: NQ * D / 32 */
-#define GPUOS_ATTN_HEADER 4   /* workspace words before the counters */
+#define GPUOS_ATTN_HEADER 8   /* workspace words before the counters (5 used: 16-byte aligned) */
 #define GPUOS_ATTN_VBATCH 8   /* values of this many keys in flight per lane */
+/* Warp mode: each warp's staging area in gpuos_dynamic_smem, its item then its queries (at most
+ * 8 rows of 192 bytes, at D = 64). */
+#define GPUOS_ATTN_WARP_SMEM 2048
+#define GPUOS_ATTN_WARP_Q 256 /* offset of the queries in it */
 
 /* Queries an item takes with NS = D / 32 (a power of two) output dims per lane. */
 __host__ __device__ constexpr int gpuos_attn_nq(int ns) {
@@ -91,6 +102,7 @@ struct GpuosAttnPlan {
   unsigned int* counters; /* a group's arrivals */
   float* parts;           /* partials: (group * S + split) * NQ * (D + 2) floats */
   bool fast;              /* the tensor-core path applies */
+  bool warps;             /* warp mode: the host asked for it and it can run */
 };
 
 /* One work item, the same in every thread. */
@@ -121,6 +133,10 @@ struct GpuosAttnShared {
   GpuosAttnItem item; /* the current item, from thread 0: no thread keeps it in registers */
   int last;           /* this block completed a group */
 };
+
+static_assert(sizeof(GpuosAttnItem) <= GPUOS_ATTN_WARP_Q &&
+                  GPUOS_ATTN_WARP_Q + GPUOS_ATTN_MAX_Q * 192 <= GPUOS_ATTN_WARP_SMEM,
+              "a warp's item and queries fit its staging area");
 
 /* Bytes between consecutive rows of staged 16-bit queries: D * 2, plus 64 when that is a
  * multiple of 128, so that the two rows a quarter warp reads sit in different bank halves. */
@@ -162,6 +178,8 @@ __device__ __forceinline__ GpuosAttnPlan gpuos_attn_plan(const GpuosTask* t) {
   p.counters = reinterpret_cast<unsigned int*>(const_cast<char*>(ws)) + GPUOS_ATTN_HEADER;
   p.parts = reinterpret_cast<float*>(p.counters + gpuos_linear_counters(groups));
   p.fast = gpuos_attn_fast(t, p.d);
+  p.warps = gpuos_load_i32(ws + 16) != 0 && p.fast &&
+            gpuos_dynamic_smem_bytes() >= GPUOS_ATTN_WARPS * GPUOS_ATTN_WARP_SMEM;
   return p;
 }
 
@@ -186,13 +204,15 @@ __device__ __forceinline__ GpuosAttnItem gpuos_attn_item(const GpuosTask* t,
 }
 
 /* Stage the item's queries in shared memory, rows past it zero: raw 16-bit rows
- * gpuos_attn_qpitch apart for the products, else scale * q as fp32 [query][dim]. */
+ * gpuos_attn_qpitch apart for the products, else scale * q as fp32 [query][dim]. Called by the
+ * threads first, first + stride, ... (a block, or a warp's lanes). */
 template <int NQ>
 __device__ __forceinline__ void gpuos_attn_stage_q(const GpuosTask* t, const GpuosAttnPlan& p,
-                                                   const GpuosAttnItem& it, float* qs) {
+                                                   const GpuosAttnItem& it, float* qs, int first,
+                                                   int stride) {
   const GpuosTensorRef& q = t->in[0];
   GPUOS_ROLLED
-  for (int i = threadIdx.x; i < NQ * p.d; i += blockDim.x) {
+  for (int i = first; i < NQ * p.d; i += stride) {
     const int r = i / p.d, d = i % p.d;
     const char* at = gpuos_ptr(q, gpuos_row_offset(q, it.row0 + min(r, it.nq - 1), d));
     if (p.fast) {
@@ -211,6 +231,14 @@ __device__ __forceinline__ void gpuos_attn_stage_q(const GpuosTask* t, const Gpu
 template <int NQ, int NS>
 struct GpuosAttnAcc {
   float v[NQ][NS];
+
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) {
+#pragma unroll
+      for (int e = 0; e < NS; ++e) v[j][e] = 0.0f;
+    }
+  }
 };
 
 /* NS 16-bit values of one row for one lane, as loaded (two to a word): widened only when used,
@@ -328,21 +356,25 @@ __device__ __forceinline__ void gpuos_attn_values(const GpuosAttnItem& it, int k
   }
 }
 
-/* This warp's tiles of the item on tensor cores; publishes its maxima and sums per query. */
+/* This warp's tiles of the item on tensor cores, at keys first, first + step, ... (step: 16 in
+ * warp mode, 128 in block mode) over queries staged at shared address `qs`; publishes its maxima
+ * and sums per query. The rows GPUOS_ATTN_ALIGN keys ahead are asked of L2 as it goes. */
 template <int NS, int NQ, bool BF16>
 __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const GpuosAttnPlan& p,
                                                     const GpuosAttnItem& it, GpuosAttnShared& sh,
-                                                    GpuosAttnAcc<NQ, NS>& acc) {
+                                                    GpuosAttnAcc<NQ, NS>& acc, int first, int step,
+                                                    unsigned int qs) {
   const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
-  const int g = lane >> 2, c = lane & 3, bytes = 2 * p.d, step = GPUOS_ATTN_TILE * GPUOS_ATTN_WARPS;
+  const int g = lane >> 2, c = lane & 3, bytes = 2 * p.d;
   const float scale = t->scalars[0], none = gpuos_neg_inf();
-  const unsigned int qrow = gpuos_smem_address(sh.q) + g * gpuos_attn_qpitch(p.d) + 16 * c;
+  const unsigned int qrow = qs + g * gpuos_attn_qpitch(p.d) + 16 * c;
   float (&prob)[GPUOS_ATTN_TILE][GPUOS_ATTN_MAX_Q] = sh.tile[warp].p;
   float m0 = none, m1 = none, l0 = 0.0f, l1 = 0.0f; /* queries 2c and 2c + 1 */
-  gpuos_attn_prefetch(it, it.k0 + GPUOS_ATTN_TILE * warp, bytes);
   GPUOS_ROLLED
-  for (int kb = it.k0 + GPUOS_ATTN_TILE * warp; kb < it.k1; kb += step) {
-    gpuos_attn_prefetch(it, kb + step, bytes);
+  for (int kb = first; kb < first + GPUOS_ATTN_ALIGN; kb += step) gpuos_attn_prefetch(it, kb, bytes);
+  GPUOS_ROLLED
+  for (int kb = first; kb < it.k1; kb += step) {
+    gpuos_attn_prefetch(it, kb + GPUOS_ATTN_ALIGN, bytes);
     float s[4];
     gpuos_attn_scores<NS, NQ, BF16>(it, kb, qrow, s);
     const bool in0 = kb + g < it.k1, in1 = kb + g + 8 < it.k1;
@@ -456,12 +488,14 @@ __device__ __forceinline__ void gpuos_attn_merge(const GpuosAttnPlan& p, GpuosAt
   }
 }
 
-/* Store value f(j, d) of each of the item's rows j and dims d into out. */
+/* Store value f(j, d) of each of the item's rows j and dims d into out, by the threads first,
+ * first + stride, ... */
 template <class F>
 __device__ __forceinline__ void gpuos_attn_store(const GpuosTask* t, const GpuosAttnPlan& p,
-                                                 const GpuosAttnItem& it, F f) {
+                                                 const GpuosAttnItem& it, int first, int stride,
+                                                 F f) {
   GPUOS_ROLLED
-  for (int i = threadIdx.x; i < it.nq * p.d; i += blockDim.x) {
+  for (int i = first; i < it.nq * p.d; i += stride) {
     const int j = i / p.d, d = i % p.d;
     gpuos_store(t->out, gpuos_row_offset(t->out, it.row0 + j, d), f(j, d));
   }
@@ -474,10 +508,10 @@ __device__ __forceinline__ float* gpuos_attn_part(const GpuosAttnPlan& p, const 
 }
 
 /* The group's outputs from its A partials, rescaled to their common max and summed in split
- * order. */
+ * order, by the threads first, first + stride, ... */
 __device__ __forceinline__ void gpuos_attn_combine(const GpuosTask* t, const GpuosAttnPlan& p,
-                                                   const GpuosAttnItem& it) {
-  gpuos_attn_store(t, p, it, [&](int j, int d) {
+                                                   const GpuosAttnItem& it, int first, int stride) {
+  gpuos_attn_store(t, p, it, first, stride, [&](int j, int d) {
     float m = gpuos_neg_inf(), num = 0.0f, den = 0.0f;
     GPUOS_ROLLED
     for (int s = 0; s < it.active; ++s) m = fmaxf(m, __ldcg(gpuos_attn_part(p, it, s) + j));
@@ -497,7 +531,8 @@ __device__ __forceinline__ void gpuos_attn_combine(const GpuosTask* t, const Gpu
 __device__ __forceinline__ void gpuos_attn_emit(const GpuosTask* t, const GpuosAttnPlan& p,
                                                 const GpuosAttnItem& it, GpuosAttnShared& sh) {
   if (it.active == 1) {
-    gpuos_attn_store(t, p, it, [&](int j, int d) { return gpuos_div(sh.o[j * p.d + d], sh.lall[j]); });
+    gpuos_attn_store(t, p, it, threadIdx.x, blockDim.x,
+                     [&](int j, int d) { return gpuos_div(sh.o[j * p.d + d], sh.lall[j]); });
     return;
   }
   float* part = gpuos_attn_part(p, it, it.split);
@@ -514,19 +549,25 @@ __device__ __forceinline__ void gpuos_attn_emit(const GpuosTask* t, const GpuosA
   __syncthreads();
   if (sh.last) {
     __threadfence(); /* the other splits' partials, fenced before their counts, are read after */
-    gpuos_attn_combine(t, p, it);
+    gpuos_attn_combine(t, p, it, threadIdx.x, blockDim.x);
   }
 }
 
 /* ---- the operator --------------------------------------------------------------------------- */
 
-/* The record's items with NS output dims per lane; MODE 0: CUDA cores, 1: fp16 and 2: bf16 on
- * tensor cores. */
+/* Whether an item has work: keys in its split, or split 0 of a row with none (it writes zeros). */
+__device__ __forceinline__ bool gpuos_attn_busy(const GpuosAttnItem& it) {
+  return it.split < it.active || (it.active == 0 && it.split == 0);
+}
+
+/* Block mode: the record's items one after another, with NS output dims per lane; MODE 0: CUDA
+ * cores, 1: fp16 and 2: bf16 on tensor cores. */
 template <int NS, int MODE>
 __device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnShared& sh) {
   constexpr int NQ = gpuos_attn_nq(NS);
   const GpuosAttnPlan& p = sh.plan;
   const bool scans = threadIdx.x < GPUOS_ATTN_WARPS * GPUOS_WARP;
+  const int warp = threadIdx.x / GPUOS_WARP;
   const GpuosAttnItem& it = sh.item;
   GPUOS_ROLLED
   for (int64_t i = t->range_begin; i < t->range_end; ++i) {
@@ -534,21 +575,21 @@ __device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnSh
     if (threadIdx.x == 0) sh.item = gpuos_attn_item(t, p, i);
     __syncthreads();
     GPUOS_MARK(1);
-    if (it.split >= it.active) { /* no key here; a row with none at all reads zeros */
-      if (it.active == 0 && it.split == 0) gpuos_attn_store(t, p, it, [](int, int) { return 0.0f; });
+    if (!gpuos_attn_busy(it)) continue;
+    if (it.active == 0) {
+      gpuos_attn_store(t, p, it, threadIdx.x, blockDim.x, [](int, int) { return 0.0f; });
       continue;
     }
-    gpuos_attn_stage_q<NQ>(t, p, it, sh.q);
+    gpuos_attn_stage_q<NQ>(t, p, it, sh.q, threadIdx.x, blockDim.x);
     __syncthreads();
     GPUOS_MARK(2);
     GpuosAttnAcc<NQ, NS> acc;
-#pragma unroll
-    for (int j = 0; j < NQ; ++j) {
-#pragma unroll
-      for (int e = 0; e < NS; ++e) acc.v[j][e] = 0.0f;
-    }
+    acc.zero();
+    const int first = it.k0 + GPUOS_ATTN_TILE * warp;
+    const unsigned int qs = gpuos_smem_address(sh.q);
     if (scans && MODE == 0) gpuos_attn_scan_generic<NS, NQ>(p, it, sh, acc);
-    if (scans && MODE != 0) gpuos_attn_scan_mma<NS, NQ, MODE == 2>(t, p, it, sh, acc);
+    if (scans && MODE != 0)
+      gpuos_attn_scan_mma<NS, NQ, MODE == 2>(t, p, it, sh, acc, first, GPUOS_ATTN_ALIGN, qs);
     GPUOS_MARK(3);
     const int step = MODE == 0 ? 1 : GPUOS_ATTN_TILE; /* keys a warp takes at a time */
     const int warps = min(GPUOS_ATTN_WARPS, (it.k1 - it.k0 + step - 1) / step);
@@ -559,31 +600,141 @@ __device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnSh
   }
 }
 
+/* Position of set bit k (counted from 0) of mask. */
+__device__ __forceinline__ int gpuos_nth_bit(unsigned int mask, int k) {
+  GPUOS_ROLLED
+  for (int s = 0; s < k; ++s) mask &= mask - 1;
+  return __ffs(mask) - 1;
+}
+
+/* Warp mode's deal: f(i) for each item of the record that has work and falls to this warp, in
+ * order, while f returns true. The lanes decode 32 items at a time, from the lengths as they are,
+ * and the busy ones go to the warps in turn. Warp-uniform; warps past GPUOS_ATTN_WARPS get none. */
+template <class F>
+__device__ __forceinline__ void gpuos_attn_deal(const GpuosTask* t, const GpuosAttnPlan& p, F f) {
+  const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
+  if (warp >= GPUOS_ATTN_WARPS) return;
+  int next = warp; /* this warp's next rank among the record's busy items */
+  int seen = 0;    /* busy items in the rounds so far */
+  GPUOS_ROLLED
+  for (int64_t r0 = t->range_begin; r0 < t->range_end; r0 += GPUOS_WARP) {
+    const int64_t i = r0 + lane;
+    const bool busy = i < t->range_end && gpuos_attn_busy(gpuos_attn_item(t, p, i));
+    const unsigned int mask = __ballot_sync(GPUOS_ALL_LANES, busy);
+    const int before = seen;
+    seen += __popc(mask);
+    for (; next < seen; next += GPUOS_ATTN_WARPS)
+      if (!f(r0 + gpuos_nth_bit(mask, next - before))) return;
+  }
+}
+
+/* Warp mode: item i by this warp alone, its item and queries in the warp's staging area; the
+ * outputs, or its partial counted in (the warp that completes the group combines it). */
+template <int NS, bool BF16>
+__device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const GpuosAttnPlan& p,
+                                                     GpuosAttnShared& sh, int64_t i, char* area) {
+  constexpr int NQ = gpuos_attn_nq(NS);
+  const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
+  GpuosAttnItem& it = *reinterpret_cast<GpuosAttnItem*>(area);
+  float* qs = reinterpret_cast<float*>(area + GPUOS_ATTN_WARP_Q);
+  __syncwarp(); /* the previous item's readers of the area are done */
+  if (lane == 0) it = gpuos_attn_item(t, p, i);
+  __syncwarp();
+  if (it.active == 0) {
+    gpuos_attn_store(t, p, it, lane, GPUOS_WARP, [](int, int) { return 0.0f; });
+    return;
+  }
+  gpuos_attn_stage_q<NQ>(t, p, it, qs, lane, GPUOS_WARP);
+  __syncwarp();
+  GpuosAttnAcc<NQ, NS> acc;
+  acc.zero();
+  gpuos_attn_scan_mma<NS, NQ, BF16>(t, p, it, sh, acc, it.k0, GPUOS_ATTN_TILE,
+                                    gpuos_smem_address(qs));
+  __syncwarp(); /* its maxima and sums are published */
+  const float *m = sh.m[warp], *l = sh.l[warp];
+  /* lane i holds dims NS i .. NS i + NS - 1 (D = 32 NS on the tensor-core path) */
+  float* part = it.active == 1 ? nullptr : gpuos_attn_part(p, it, it.split);
+#pragma unroll
+  for (int j = 0; j < NQ; ++j) {
+    if (j >= it.nq) break;
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+      const int d = NS * lane + e;
+      if (part == nullptr) {
+        gpuos_store(t->out, gpuos_row_offset(t->out, it.row0 + j, d), gpuos_div(acc.v[j][e], l[j]));
+      } else {
+        part[2 * p.nq + j * p.d + d] = acc.v[j][e];
+      }
+    }
+  }
+  if (part == nullptr) return;
+  if (lane < it.nq) part[lane] = m[lane], part[p.nq + lane] = l[lane];
+  __threadfence(); /* this lane's partials are visible before the count that announces them */
+  __syncwarp();
+  unsigned int last = 0;
+  if (lane == 0)
+    last = atomicInc(p.counters + it.group, it.active - 1) == static_cast<unsigned int>(it.active - 1);
+  if (__shfl_sync(GPUOS_ALL_LANES, last, 0)) {
+    __threadfence(); /* the other splits' partials, fenced before their counts, are read after */
+    gpuos_attn_combine(t, p, it, lane, GPUOS_WARP);
+  }
+}
+
+template <int NS, bool BF16>
+__device__ __forceinline__ void gpuos_attn_warp_items(const GpuosTask* t, GpuosAttnShared& sh) {
+  char* area = gpuos_dynamic_smem + GPUOS_ATTN_WARP_SMEM * (threadIdx.x / GPUOS_WARP);
+  gpuos_attn_deal(t, sh.plan, [&](int64_t i) {
+    gpuos_attn_warp_item<NS, BF16>(t, sh.plan, sh, i, area);
+    return true;
+  });
+}
+
 template <int NS>
 __device__ __forceinline__ void gpuos_attn_mode(const GpuosTask* t, GpuosAttnShared& sh) {
+  const bool bf16 = t->in[0].dtype == GPUOS_DTYPE_BF16;
   if (!sh.plan.fast) {
     gpuos_attn_items<NS, 0>(t, sh);
-  } else if (t->in[0].dtype == GPUOS_DTYPE_BF16) {
+  } else if (sh.plan.warps) {
+    if (bf16) gpuos_attn_warp_items<NS, true>(t, sh);
+    else gpuos_attn_warp_items<NS, false>(t, sh);
+  } else if (bf16) {
     gpuos_attn_items<NS, 2>(t, sh);
   } else {
     gpuos_attn_items<NS, 1>(t, sh);
   }
 }
 
-/* Ask L2 for the key and value rows of the record's first item (a line per thread at a time)
- * before its queries are ready (GPUOS_TASK_EARLY): the cache's rows from earlier steps are
- * already there. The item is decoded from lengths as they are now, which a producer may still
- * rewrite: only a hint, and its rows are bounded by K's and V's own sizes whatever it reads. */
-__device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, const GpuosAttnPlan& p) {
-  const GpuosAttnItem it = gpuos_attn_item(t, p, t->range_begin);
+/* Ask L2 for the key and value rows [k0, k0 + keys) of an item, a line per thread first,
+ * first + stride, ... at a time. */
+__device__ __forceinline__ void gpuos_attn_warm_item(const GpuosTask* t, const GpuosAttnPlan& p,
+                                                     const GpuosAttnItem& it, int keys, int first,
+                                                     int stride) {
   const int row_lines = (p.d * gpuos_dtype_size(t->in[1].dtype) + 127) / 128;
-  const int lines = 2 * (it.k1 - it.k0) * row_lines;
+  const int lines = 2 * keys * row_lines;
   GPUOS_ROLLED
-  for (int i = threadIdx.x; i < lines; i += blockDim.x) {
+  for (int i = first; i < lines; i += stride) {
     const int key = it.k0 + i / (2 * row_lines), part = i % (2 * row_lines);
     const GpuosKeys& m = part < row_lines ? it.k : it.v;
     gpuos_prefetch_line(m.key(key) + 128 * (part % row_lines));
   }
+}
+
+/* Before the queries are ready (GPUOS_TASK_EARLY), ask L2 for the keys and values the record
+ * starts with: the first item's in block mode, each warp's first GPUOS_ATTN_ALIGN in warp mode.
+ * Items are decoded from lengths as they are now, which a producer may still rewrite: only a
+ * hint, and their rows are bounded by K's and V's own sizes whatever it reads. */
+__device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, const GpuosAttnPlan& p) {
+  if (!p.warps) {
+    const GpuosAttnItem it = gpuos_attn_item(t, p, t->range_begin);
+    gpuos_attn_warm_item(t, p, it, it.k1 - it.k0, threadIdx.x, blockDim.x);
+    return;
+  }
+  gpuos_attn_deal(t, p, [&](int64_t i) {
+    const GpuosAttnItem it = gpuos_attn_item(t, p, i);
+    const int keys = min(it.k1 - it.k0, GPUOS_ATTN_ALIGN);
+    gpuos_attn_warm_item(t, p, it, max(keys, 0), threadIdx.x % GPUOS_WARP, GPUOS_WARP);
+    return false;
+  });
 }
 
 __device__ __forceinline__ void gpuos_attention_decode(const GpuosTask* t) {

@@ -1,8 +1,9 @@
 """Attention decode split over the KV length (issue 12): each backend against SDPA in float64 for
 ragged lengths 1..4096, grouped-query heads, every float dtype, the tensor-core and CUDA-core
 paths (head dims 64, 128 and 80), lengths 0, negative and past the cache, one long row and 64
-short ones, a program rerun with new lengths, bitwise reproducible runs; and the plan that cuts
-the work (splits from shapes only, each row written once whatever the records)."""
+short ones, a program rerun with new lengths, bitwise reproducible runs, the same in warp mode
+(many groups: a warp an item); and the plan that cuts the work (splits and mode from shapes only,
+each row written once whatever the records)."""
 
 from __future__ import annotations
 
@@ -123,6 +124,34 @@ def test_a_fixed_program_reruns_with_new_lengths(rt: Runtime) -> None:
     assert len(step.tasks.records) == records
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_warp_mode_over_ragged_rows_reruns_and_reproduces(
+    rt: Runtime, dtype: torch.dtype, d: int
+) -> None:
+    """192 groups of 2 queries over 1024 slots, each row with its own length: split edges (255,
+    256, 257), none (0, -1), one key, the whole cache and past it; then the same program over new
+    lengths, twice (the second run bitwise the first's)."""
+    requests, kv_heads, group, capacity = 48, 4, 2, 1024
+    k, v = (randn(rt, (requests, kv_heads, capacity, d), dtype, s) for s in (10, 11))
+    q = randn(rt, (requests, kv_heads, group, d), dtype, 12)
+    rng = random.Random(d)
+    edges = [0, -1, 1, 255, 256, 257, 1024, 5000]
+    lengths = ints(rt, edges + [rng.randint(1, 1024) for _ in range(requests - len(edges))])
+    call = decode_call(q, k, v, lengths)
+    assert AttentionPlan.of(*rt.prepare(call).inputs).warps
+    build = rt.program()
+    out = build.add(call)
+    step = build.build()
+    for n in (lengths.tolist(), [rng.randint(-2, 1100) for _ in range(requests)]):
+        lengths.copy_(ints(rt, n))
+        rt.submit(step).wait(30)
+        assert_close(out, sliced_attention(q, k, v, lengths))
+        first = out.clone()
+        rt.submit(step).wait(30)
+        assert torch.equal(out, first)
+
+
 def test_runs_are_bitwise_reproducible(rt: Runtime) -> None:
     lengths = [4096, 37, 2000]
     k, v = cache(rt, 3, 2, 4096, 128, torch.bfloat16, lengths, 8)
@@ -158,11 +187,22 @@ def test_plan_splits_few_long_rows_and_not_many() -> None:
     one = AttentionPlan.of(*views(1, 8, 4, 4096, 128))
     assert (one.group, one.nq, one.groups) == (4, 4, 8)
     assert one.splits == 32 and one.chunk == 128  # as many as 128-key chunks allow
-    many = AttentionPlan.of(*views(64, 32, 1, 2048, 128))
-    assert (many.groups, many.splits, many.chunk) == (2048, 1, 2048)
+    many = AttentionPlan.of(*views(64, 32, 1, 16384, 128))  # too many for warp mode's splits
+    assert (many.groups, many.splits, many.chunk, many.warps) == (2048, 1, 16384, False)
     wide = AttentionPlan.of(*views(2, 1, 8, 1000, 256))
     assert (wide.nq, wide.subgroups, wide.groups) == (2, 4, 8)
     assert wide.splits * wide.chunk >= 1000 > (wide.splits - 1) * wide.chunk
+
+
+def test_plan_takes_warp_mode_for_a_group_per_sm_or_more() -> None:
+    decode = AttentionPlan.of(*views(64, 12, 1, 1024, 64))  # GPT-2 small, 64 rows, 1024 slots
+    assert (decode.groups, decode.warps, decode.splits, decode.chunk) == (768, True, 4, 256)
+    short = AttentionPlan.of(*views(64, 12, 1, 65, 64))
+    assert (short.warps, short.splits) == (True, 1)
+    few = AttentionPlan.of(*views(8, 12, 1, 1024, 64))  # 96 groups: fewer than the SMs
+    assert not few.warps and few.splits == 4
+    long = AttentionPlan.of(*views(64, 8, 4, 131072, 64))  # warp mode's splits: 1024 items an SM
+    assert (long.groups, long.warps, long.splits) == (512, False, 2)
 
 
 def test_each_row_is_owned_by_exactly_one_record_whatever_the_cut() -> None:
@@ -196,4 +236,5 @@ def test_the_encoded_lengths_carry_the_workspace(rt: Runtime) -> None:
     assert control.stride(-1) * 4 == workspace.data_ptr()
     plan = AttentionPlan.of(*task.inputs)
     assert workspace.numel() == plan.workspace_words
-    assert workspace[:4].tolist() == [plan.group, plan.nq, plan.chunk, plan.splits]
+    header = [plan.group, plan.nq, plan.chunk, plan.splits, plan.warps]
+    assert workspace[: fam.ATTENTION_HEADER].tolist() == header + [0, 0, 0]
