@@ -3,6 +3,7 @@
 (a task's records) along the program's critical path. Needs CUDA.
 
     python3 bench/step_trace.py --out bench/results [--shape gpt2] [--rows 1 64] [--reps 30]
+        [--max-len 128]
 
 Per program: the median wall time of a run (submit to completion, traced worker), then along the
 critical path of its last run (walking back from the last record to finish, each time to the
@@ -29,7 +30,7 @@ from llm import make_model  # bench/ is the script's directory
 
 from gpuos_core import OpCall, Runtime, RuntimeConfig
 from gpuos_core.config import CudaConfig
-from gpuos_core.program import Program
+from gpuos_core.program import Arena, Program
 from serving.llm.device_step import Layout, StepChain, StepProgram
 from serving.llm.forward import Span
 from serving.llm.model import KVPool
@@ -213,15 +214,17 @@ def chain(rt: Runtime, op: str, n: int, hidden: int, dtype: torch.dtype) -> Prog
     return build.build()
 
 
-def step(rt: Runtime, shape: str, rows: int, where: Path) -> Program:
-    """The decode step program of `rows` decode rows, every row at position 64."""
+def step(rt: Runtime, shape: str, rows: int, max_len: int, where: Path) -> Program:
+    """The decode step program of `rows` decode rows, every row at position 64, in KV slots of
+    `max_len` tokens."""
     model = make_model(shape, "cuda", where / shape)
-    pool = KVPool.allocate(model.config, rows, 128, model.dtype, "cuda")
+    pool = KVPool.allocate(model.config, rows, max_len, model.dtype, "cuda")
     pool.keys.normal_()
     pool.values.normal_()
     spans = [Span(slot, 64, (1,)) for slot in range(rows)]
     chain = StepChain(2 * rows, rt.device)
-    sp = StepProgram(rt, model, pool, Layout.of(spans, rows), None, chain, parity=0)
+    layout = Layout.of(spans, rows)
+    sp = StepProgram(rt, model, pool, layout, None, chain, parity=0, arena=Arena(rt.device))
     params = np.zeros((rows, 3), dtype=np.float32)
     rng = np.zeros((rows, 3), dtype=np.int32)
     # every run waits for a clock value of 0 (its own ticks only move the clock past it)
@@ -236,6 +239,7 @@ def main() -> None:
     ap.add_argument("--shape", default="gpt2")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--max-len", type=int, default=128, help="tokens a KV slot holds")
     args = ap.parse_args()
     rt = Runtime(config=RuntimeConfig(backend="cuda", cuda=CudaConfig(trace=True)))
     results = []
@@ -253,8 +257,8 @@ def main() -> None:
             results.append(
                 measure(
                     rt,
-                    f"{args.shape} step, {rows} decode rows",
-                    step(rt, args.shape, rows, Path(tmp)),
+                    f"{args.shape} step, {rows} decode rows, slots of {args.max_len}",
+                    step(rt, args.shape, rows, args.max_len, Path(tmp)),
                     args.reps,
                 )
             )

@@ -799,9 +799,9 @@ ATTENTION_HEADER = 8  # workspace words before the counters: G, NQ, C, S, W, the
 ATTENTION_ITEMS_PER_SM = 4  # keys are split until the items cover the SMs this many times
 ATTENTION_RECORDS_PER_SM = 4  # records per SM at most
 # Warp mode (a warp an item), for at least a group per SM: splits of at most this many keys (16
-# tiles one warp scans in turn), unless that makes more than this many items per SM.
+# tiles one warp scans in turn), and at most this many of them (one warp combines them).
 ATTENTION_WARP_KEYS = 256
-ATTENTION_WARP_ITEMS_PER_SM = 256
+ATTENTION_WARP_SPLITS = 4
 
 
 @dataclass(frozen=True)
@@ -858,8 +858,8 @@ class AttentionPlan:
     ) -> AttentionPlan:
         """The plan of encoded views (lengths over q's leading dims, then anything). With a
         group per SM or more, warp mode and splits of ATTENTION_WARP_KEYS (a block's items would
-        each cost their latency one after another, whatever their keys), when the items stay
-        within ATTENTION_WARP_ITEMS_PER_SM; else enough splits that the items cover
+        each cost their latency one after another, whatever their keys), when that makes at most
+        ATTENTION_WARP_SPLITS of them; else enough splits that the items cover
         ATTENTION_ITEMS_PER_SM times the SMs, when the keys allow."""
         lead, group = q.shape[:-1], 1
         for dim in reversed(range(len(lead))):
@@ -868,7 +868,7 @@ class AttentionPlan:
             group *= lead[dim]
         plan = cls(math.prod(lead), max(group, 1), k.shape[-2], q.shape[-1], 1)
         sms, short = _sm_count(q.device), _ceil_div(plan.keys, ATTENTION_WARP_KEYS)
-        if plan.groups >= sms and plan.groups * short <= ATTENTION_WARP_ITEMS_PER_SM * sms:
+        if plan.groups >= sms and short <= ATTENTION_WARP_SPLITS:
             plan = replace(plan, splits=short, warps=True)
         else:
             want = _ceil_div(ATTENTION_ITEMS_PER_SM * sms, max(plan.groups, 1))

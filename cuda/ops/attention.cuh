@@ -508,19 +508,37 @@ __device__ __forceinline__ float* gpuos_attn_part(const GpuosAttnPlan& p, const 
 }
 
 /* The group's outputs from its A partials, rescaled to their common max and summed in split
- * order, by the threads first, first + stride, ... */
+ * order (GPUOS_ILP splits' loads in flight at a time), by the threads first, first + stride, ... */
 __device__ __forceinline__ void gpuos_attn_combine(const GpuosTask* t, const GpuosAttnPlan& p,
                                                    const GpuosAttnItem& it, int first, int stride) {
   gpuos_attn_store(t, p, it, first, stride, [&](int j, int d) {
     float m = gpuos_neg_inf(), num = 0.0f, den = 0.0f;
     GPUOS_ROLLED
-    for (int s = 0; s < it.active; ++s) m = fmaxf(m, __ldcg(gpuos_attn_part(p, it, s) + j));
+    for (int s0 = 0; s0 < it.active; s0 += GPUOS_ILP) {
+      float ms[GPUOS_ILP];
+#pragma unroll
+      for (int u = 0; u < GPUOS_ILP; ++u) {
+        const bool in = s0 + u < it.active;
+        ms[u] = in ? __ldcg(gpuos_attn_part(p, it, s0 + u) + j) : gpuos_neg_inf();
+      }
+#pragma unroll
+      for (int u = 0; u < GPUOS_ILP; ++u) m = fmaxf(m, ms[u]);
+    }
     GPUOS_ROLLED
-    for (int s = 0; s < it.active; ++s) {
-      const float* part = gpuos_attn_part(p, it, s);
-      const float f = gpuos_exp_diff(__ldcg(part + j), m);
-      den += __ldcg(part + p.nq + j) * f;
-      num += __ldcg(part + 2 * p.nq + j * p.d + d) * f;
+    for (int s0 = 0; s0 < it.active; s0 += GPUOS_ILP) {
+      float ms[GPUOS_ILP], ls[GPUOS_ILP], os[GPUOS_ILP];
+#pragma unroll
+      for (int u = 0; u < GPUOS_ILP; ++u) {
+        const float* part = gpuos_attn_part(p, it, min(s0 + u, it.active - 1));
+        ms[u] = __ldcg(part + j), ls[u] = __ldcg(part + p.nq + j);
+        os[u] = __ldcg(part + 2 * p.nq + j * p.d + d);
+      }
+#pragma unroll
+      for (int u = 0; u < GPUOS_ILP; ++u) {
+        if (s0 + u >= it.active) break;
+        const float f = gpuos_exp_diff(ms[u], m);
+        den += ls[u] * f, num += os[u] * f;
+      }
     }
     return gpuos_div(num, den);
   });
@@ -640,17 +658,20 @@ __device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const G
   __syncwarp(); /* the previous item's readers of the area are done */
   if (lane == 0) it = gpuos_attn_item(t, p, i);
   __syncwarp();
+  GPUOS_MARK(1); /* marks: warp 0's last item */
   if (it.active == 0) {
     gpuos_attn_store(t, p, it, lane, GPUOS_WARP, [](int, int) { return 0.0f; });
     return;
   }
   gpuos_attn_stage_q<NQ>(t, p, it, qs, lane, GPUOS_WARP);
   __syncwarp();
+  GPUOS_MARK(2);
   GpuosAttnAcc<NQ, NS> acc;
   acc.zero();
   gpuos_attn_scan_mma<NS, NQ, BF16>(t, p, it, sh, acc, it.k0, GPUOS_ATTN_TILE,
                                     gpuos_smem_address(qs));
   __syncwarp(); /* its maxima and sums are published */
+  GPUOS_MARK(3);
   const float *m = sh.m[warp], *l = sh.l[warp];
   /* lane i holds dims NS i .. NS i + NS - 1 (D = 32 NS on the tensor-core path) */
   float* part = it.active == 1 ? nullptr : gpuos_attn_part(p, it, it.split);
@@ -667,6 +688,7 @@ __device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const G
       }
     }
   }
+  GPUOS_MARK(4);
   if (part == nullptr) return;
   if (lane < it.nq) part[lane] = m[lane], part[p.nq + lane] = l[lane];
   __threadfence(); /* this lane's partials are visible before the count that announces them */

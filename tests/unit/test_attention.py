@@ -187,8 +187,8 @@ def test_plan_splits_few_long_rows_and_not_many() -> None:
     one = AttentionPlan.of(*views(1, 8, 4, 4096, 128))
     assert (one.group, one.nq, one.groups) == (4, 4, 8)
     assert one.splits == 32 and one.chunk == 128  # as many as 128-key chunks allow
-    many = AttentionPlan.of(*views(64, 32, 1, 16384, 128))  # too many for warp mode's splits
-    assert (many.groups, many.splits, many.chunk, many.warps) == (2048, 1, 16384, False)
+    many = AttentionPlan.of(*views(64, 32, 1, 2048, 128))  # too many keys for warp mode
+    assert (many.groups, many.splits, many.chunk, many.warps) == (2048, 1, 2048, False)
     wide = AttentionPlan.of(*views(2, 1, 8, 1000, 256))
     assert (wide.nq, wide.subgroups, wide.groups) == (2, 4, 8)
     assert wide.splits * wide.chunk >= 1000 > (wide.splits - 1) * wide.chunk
@@ -201,7 +201,7 @@ def test_plan_takes_warp_mode_for_a_group_per_sm_or_more() -> None:
     assert (short.warps, short.splits) == (True, 1)
     few = AttentionPlan.of(*views(8, 12, 1, 1024, 64))  # 96 groups: fewer than the SMs
     assert not few.warps and few.splits == 4
-    long = AttentionPlan.of(*views(64, 8, 4, 131072, 64))  # warp mode's splits: 1024 items an SM
+    long = AttentionPlan.of(*views(64, 8, 4, 1025, 64))  # 5 splits of 256 keys: block mode
     assert (long.groups, long.warps, long.splits) == (512, False, 2)
 
 
