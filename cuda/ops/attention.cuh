@@ -203,25 +203,46 @@ __device__ __forceinline__ GpuosAttnItem gpuos_attn_item(const GpuosTask* t,
   return it;
 }
 
-/* Stage the item's queries in shared memory, rows past it zero: raw 16-bit rows
- * gpuos_attn_qpitch apart for the products, else scale * q as fp32 [query][dim]. Called by the
- * threads first, first + stride, ... (a block, or a warp's lanes). */
+/* Stage the item's queries in shared memory, rows past it zero, by the threads first,
+ * first + stride, ... (a block, or a warp's lanes): on the tensor-core path raw 16-bit rows
+ * gpuos_attn_qpitch apart, 8 dims (one 16-byte load where q's rows allow) a thread at a time, so
+ * that a warp stages its item in one round trip; else scale * q as fp32 [query][dim]. */
 template <int NQ>
 __device__ __forceinline__ void gpuos_attn_stage_q(const GpuosTask* t, const GpuosAttnPlan& p,
                                                    const GpuosAttnItem& it, float* qs, int first,
                                                    int stride) {
   const GpuosTensorRef& q = t->in[0];
+  if (p.fast) { /* D is a multiple of 8 */
+    const int chunks = p.d / 8;
+    const bool unit = q.strides[q.ndim - 1] == 1;
+    GPUOS_ROLLED
+    for (int c = first; c < NQ * chunks; c += stride) {
+      const int r = c / chunks, k = 8 * (c % chunks);
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < it.nq) {
+        const char* at = gpuos_ptr(q, gpuos_row_offset(q, it.row0 + r, k));
+        if (unit && gpuos_aligned16(reinterpret_cast<uint64_t>(at))) {
+          v = __ldcg(reinterpret_cast<const uint4*>(at));
+        } else {
+          unsigned int w[4];
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {
+            const int64_t lo = gpuos_row_offset(q, it.row0 + r, k + 2 * h);
+            const int64_t hi = gpuos_row_offset(q, it.row0 + r, k + 2 * h + 1);
+            w[h] = gpuos_ld_u16(gpuos_ptr(q, lo)) | gpuos_ld_u16(gpuos_ptr(q, hi)) << 16;
+          }
+          v = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+      *reinterpret_cast<uint4*>(reinterpret_cast<char*>(qs) + r * gpuos_attn_qpitch(p.d) + 2 * k) = v;
+    }
+    return;
+  }
   GPUOS_ROLLED
   for (int i = first; i < NQ * p.d; i += stride) {
     const int r = i / p.d, d = i % p.d;
     const char* at = gpuos_ptr(q, gpuos_row_offset(q, it.row0 + min(r, it.nq - 1), d));
-    if (p.fast) {
-      const unsigned short bits = r < it.nq ? gpuos_ld_u16(at) : 0;
-      *reinterpret_cast<unsigned short*>(reinterpret_cast<char*>(qs) + r * gpuos_attn_qpitch(p.d) +
-                                         2 * d) = bits;
-    } else {
-      qs[i] = r < it.nq ? t->scalars[0] * gpuos_load_ptr(at, q.dtype) : 0.0f;
-    }
+    qs[i] = r < it.nq ? t->scalars[0] * gpuos_load_ptr(at, q.dtype) : 0.0f;
   }
 }
 
@@ -321,15 +342,29 @@ __device__ __forceinline__ float gpuos_attn_sum8(float v) {
   return v;
 }
 
+/* Keys whose values a lane has in flight at once: GPUOS_ATTN_VBATCH, half that for D = 256. */
+template <int NS>
+__device__ __forceinline__ constexpr int gpuos_attn_vb() {
+  return NS < 8 ? GPUOS_ATTN_VBATCH : GPUOS_ATTN_VBATCH / 2;
+}
+
+/* This lane's dims of the values of keys kb .. kb + VB - 1 (row k1 - 1 past k1). */
+template <int NS, int VB>
+__device__ __forceinline__ void gpuos_attn_load_values(const GpuosAttnItem& it, int kb,
+                                                       GpuosAttnRaw<NS> (&raw)[VB]) {
+  const int ofs = 2 * NS * (threadIdx.x % GPUOS_WARP);
+#pragma unroll
+  for (int u = 0; u < VB; ++u) raw[u].load(it.v.key(min(kb + u, it.k1 - 1)) + ofs);
+}
+
 /* acc = acc * alpha + p^T V over the tile at kb, from its probabilities in shared memory (zero
- * past k1, where row k1 - 1 is read instead), GPUOS_ATTN_VBATCH keys' loads in flight at once
- * (half that for D = 256). */
-template <int NS, int NQ, bool BF16>
+ * past k1), gpuos_attn_vb keys' loads in flight at once; `raw` holds the first batch, loaded by
+ * the caller (before the tile's scores where registers allow, so that it travels with the keys). */
+template <int NS, int NQ, bool BF16, int VB>
 __device__ __forceinline__ void gpuos_attn_values(const GpuosAttnItem& it, int kb,
                                                   const float (&p)[GPUOS_ATTN_TILE][GPUOS_ATTN_MAX_Q],
-                                                  const float* alpha, GpuosAttnAcc<NQ, NS>& acc) {
-  constexpr int VB = NS < 8 ? GPUOS_ATTN_VBATCH : GPUOS_ATTN_VBATCH / 2;
-  const int ofs = 2 * NS * (threadIdx.x % GPUOS_WARP);
+                                                  const float* alpha, GpuosAttnAcc<NQ, NS>& acc,
+                                                  GpuosAttnRaw<NS> (&raw)[VB]) {
 #pragma unroll
   for (int j = 0; j < NQ; ++j) {
     const float a = alpha[j];
@@ -338,9 +373,7 @@ __device__ __forceinline__ void gpuos_attn_values(const GpuosAttnItem& it, int k
   }
 #pragma unroll
   for (int k0 = 0; k0 < GPUOS_ATTN_TILE; k0 += VB) {
-    GpuosAttnRaw<NS> raw[VB];
-#pragma unroll
-    for (int u = 0; u < VB; ++u) raw[u].load(it.v.key(min(kb + k0 + u, it.k1 - 1)) + ofs);
+    if (k0 > 0) gpuos_attn_load_values(it, kb + k0, raw);
 #pragma unroll
     for (int u = 0; u < VB; ++u) {
       float pk[NQ];
@@ -375,8 +408,12 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
   GPUOS_ROLLED
   for (int kb = first; kb < it.k1; kb += step) {
     gpuos_attn_prefetch(it, kb + GPUOS_ATTN_ALIGN, bytes);
+    /* the first values travel with the keys where registers allow (D <= 64) */
+    GpuosAttnRaw<NS> raw[gpuos_attn_vb<NS>()];
+    if (NS <= 2) gpuos_attn_load_values(it, kb, raw);
     float s[4];
     gpuos_attn_scores<NS, NQ, BF16>(it, kb, qrow, s);
+    if (NS > 2) gpuos_attn_load_values(it, kb, raw);
     const bool in0 = kb + g < it.k1, in1 = kb + g + 8 < it.k1;
     s[0] = in0 ? scale * s[0] : none, s[1] = in0 ? scale * s[1] : none;
     s[2] = in1 ? scale * s[2] : none, s[3] = in1 ? scale * s[3] : none;
@@ -391,7 +428,7 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
     *reinterpret_cast<float2*>(&prob[g + 8][2 * c]) = make_float2(p2, p3);
     if (g == 0) *reinterpret_cast<float2*>(&sh.tile[warp].alpha[2 * c]) = make_float2(a0, a1);
     __syncwarp();
-    gpuos_attn_values<NS, NQ, BF16>(it, kb, prob, sh.tile[warp].alpha, acc);
+    gpuos_attn_values<NS, NQ, BF16>(it, kb, prob, sh.tile[warp].alpha, acc, raw);
     __syncwarp(); /* every lane read the tile's probabilities before the next overwrites them */
   }
   l0 = gpuos_attn_sum8(l0), l1 = gpuos_attn_sum8(l1);
