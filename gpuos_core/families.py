@@ -701,16 +701,13 @@ class LinearPlan:
         return min(valid or [cls(m, n, k, 1)], key=lambda p: (p._cost(sms), p.splits))
 
     def _cost(self, sms: int) -> float:
-        """Time in 4 KB moved (a step's weights): the busiest block's items (each step also
-        reads its rows of x, 64 bytes a row; each item writes its partial block when K is split),
-        then the last split's sum of the partials."""
+        """Time in steps of one tile (4 KB of weights): the busiest block's items (each also
+        writes its partial block when K is split), then the last split's sum of the partials."""
         if self.items == 0:
             return 0.0
-        step = 1 + self.prows / 64  # H200, 64 rows: a step cost twice a 1-row one
         partial = self.prows / 16 if self.splits > 1 else 0.0  # 4 KB per 16 rows of fp32
         combine = self.splits * partial / 2 if self.splits > 1 else 0.0  # read from L2
-        item = self.kch * step + LINEAR_ITEM_COST + partial
-        return _ceil_div(self.items, sms) * item + combine
+        return _ceil_div(self.items, sms) * (self.kch + LINEAR_ITEM_COST + partial) + combine
 
     @classmethod
     def of(cls, x: torch.Tensor, w: torch.Tensor, workspace: torch.Tensor) -> LinearPlan:
