@@ -22,7 +22,8 @@
  *
  * Tensor-core path (fp16/bf16, K > 0 and K % 8 == 0, 16-byte aligned rows of x and W, rows of x
  * and of out one stride apart, blockDim >= 256, GPUOS_LINEAR_SMEM bytes of dynamic shared memory):
- * 8 warps each own 8 rows of the n-tile; mma.sync m16n8k16 with x as A (m16 tiles of rows, 1 to 4
+ * 8 warps each own 8 rows of the n-tile and all rows of x (at 64 rows of x: a 2 x 4 grid, each warp
+ * 32 rows of x and 16 of the n-tile); mma.sync m16n8k16 with x as A (m16 tiles of rows, 1 to 4
  * by the m-block's size) and W as B, so that a warp's W fragment is one 16-byte shared-memory load
  * per lane per step: lane (g, q) reads W[row g][k + 8q .. k + 8q + 7] and x likewise, and the two
  * products of a step read those 8 values in an order permuted consistently for A and B (the dot
@@ -425,10 +426,16 @@ template <int R, bool BF16>
 __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const GpuosLinearPlan& p,
                                                  int* last) {
   using Pipe = GpuosLinearPipe<R>;
-  constexpr int TILES = R < 16 ? 1 : R / 16; /* m16 tiles of x */
+  /* The warps over the tile: WM along its rows of x, WN along its outputs. At 64 rows a 2 x 4
+   * grid, each warp 32 rows x 16 outputs: 6 shared loads for 8 products a step, where 8 warps
+   * over the outputs alone read all 64 rows each (9 loads for 8). */
+  constexpr int WM = R >= 64 ? 2 : 1, WN = GPUOS_LINEAR_WARPS / WM;
+  constexpr int TM = (R < 16 ? 1 : R / 16) / WM;  /* m16 tiles of x a warp takes */
+  constexpr int NW = GPUOS_LINEAR_BN / 8 / WN;   /* n8 fragments of W a warp takes */
   constexpr int NS = Pipe::NS, KC = Pipe::KC;
   const int warp = threadIdx.x / GPUOS_WARP, lane = threadIdx.x % GPUOS_WARP;
-  const int g = lane >> 2, q = lane & 3, wrow = 8 * warp + g;
+  const int g = lane >> 2, q = lane & 3, wm = warp / WN, wn = warp % WN;
+  const int wrow = 8 * NW * wn + g, xrow = 16 * TM * wm + g; /* this lane's first rows */
   const bool active = warp < GPUOS_LINEAR_WARPS;
   const int begin = static_cast<int>(t->range_begin), end = static_cast<int>(t->range_end);
   const unsigned int base = gpuos_smem_address(gpuos_dynamic_smem);
@@ -451,19 +458,22 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
     gpuos_cp_async_commit();
   }
 
-  /* This lane's 16 bytes in a stage: W row wrow and x rows g (+ 8, + 16 a), chunk 4 js + q at
-   * step js (the swizzle flips chunk bit 2, which the parity of js sets: 64 js past one of two
-   * base offsets). */
+  /* This lane's 16 bytes in a stage: W rows wrow (+ 8 f) and x rows xrow (+ 8, + 16 a), chunk
+   * 4 js + q at step js (the swizzle flips chunk bit 2, which the parity of js sets: 64 js past
+   * one of two base offsets; rows 8 apart share their parity). */
   const unsigned int weven = Pipe::offset(wrow, q), wodd = Pipe::offset(wrow, 4 + q) - 64;
-  const unsigned int xeven = Pipe::W_BYTES + Pipe::offset(g, q);
-  const unsigned int xodd = Pipe::W_BYTES + Pipe::offset(g, 4 + q) - 64;
+  const unsigned int xeven = Pipe::W_BYTES + Pipe::offset(xrow, q);
+  const unsigned int xodd = Pipe::W_BYTES + Pipe::offset(xrow, 4 + q) - 64;
   int consume = 0; /* buffer read next */
   GPUOS_ROLLED
   for (int i = begin; i < end; ++i) {
     const GpuosLinearItem it = gpuos_linear_item(p, i);
-    float acc[TILES][4];
+    float acc[TM][NW][4];
 #pragma unroll
-    for (int a = 0; a < TILES; ++a) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.0f;
+    for (int a = 0; a < TM; ++a) {
+#pragma unroll
+      for (int f = 0; f < NW; ++f) acc[a][f][0] = acc[a][f][1] = acc[a][f][2] = acc[a][f][3] = 0.0f;
+    }
     GPUOS_ROLLED
     for (int j0 = 0; j0 < it.steps; j0 += Pipe::STEPS) {
       /* this stage's group is in (at most the NS - 2 younger ones pending) and every thread is
@@ -480,26 +490,36 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
 #pragma unroll
       for (int js = 0; js < Pipe::STEPS; ++js) {
         const unsigned int at = stage + 64 * js;
-        const uint4 b = gpuos_lds16(at + (js & 1 ? wodd : weven));
+        uint4 b[NW];
+#pragma unroll
+        for (int f = 0; f < NW; ++f) b[f] = gpuos_lds16(at + (js & 1 ? wodd : weven) + 8 * f * Pipe::PITCH);
         const unsigned int xl = at + (js & 1 ? xodd : xeven);
 #pragma unroll
-        for (int a = 0; a < TILES; ++a) {
+        for (int a = 0; a < TM; ++a) {
           const uint4 lo = gpuos_lds16(xl + 16 * a * Pipe::PITCH);
           const uint4 hi =
               R < 16 ? make_uint4(0, 0, 0, 0) : gpuos_lds16(xl + (16 * a + 8) * Pipe::PITCH);
-          gpuos_mma16816<BF16>(acc[a], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
-          gpuos_mma16816<BF16>(acc[a], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+#pragma unroll
+          for (int f = 0; f < NW; ++f) {
+            gpuos_mma16816<BF16>(acc[a][f], lo.x, hi.x, lo.y, hi.y, b[f].x, b[f].y);
+            gpuos_mma16816<BF16>(acc[a][f], lo.z, hi.z, lo.w, hi.w, b[f].z, b[f].w);
+          }
         }
       }
     }
-    /* acc[a][e]: row 16 a + g (+ 8 for e >= 2) of x, output 8 warp + 2 q (+ 1 for odd e) */
+    /* acc[a][f][e]: row 16 (TM wm + a) + g (+ 8 for e >= 2) of x, output 8 (NW wn + f) + 2 q
+     * (+ 1 for odd e) */
 #pragma unroll
-    for (int a = 0; a < TILES; ++a) {
+    for (int a = 0; a < TM; ++a) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = 16 * a + g + 8 * (e >> 1), c = 8 * warp + 2 * q + (e & 1);
-        if (active && r < it.rows && GPUOS_LINEAR_BN * it.nt + c < p.n)
-          gpuos_linear_emit<true>(t, p, it, r, c, acc[a][e]);
+      for (int f = 0; f < NW; ++f) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 16 * (TM * wm + a) + g + 8 * (e >> 1);
+          const int c = 8 * (NW * wn + f) + 2 * q + (e & 1);
+          if (active && r < it.rows && GPUOS_LINEAR_BN * it.nt + c < p.n)
+            gpuos_linear_emit<true>(t, p, it, r, c, acc[a][f][e]);
+        }
       }
     }
     GPUOS_MARK(1);
