@@ -9,8 +9,9 @@
  *           the caller gave none. Its last dim has size 1, so no element is addressed through its
  *           stride, which instead holds the address of the task's workspace in int32 words (the
  *           ABI has no fifth input). The workspace, int32: GPUOS_ATTN_HEADER words (G, NQ, C, S,
- *           W, then zeros), then one arrival counter per group (zero between tasks: the last arrival resets it),
- *           padded to a multiple of 4 words, then S * groups partials when S > 1;
+ *           W, then zeros), then one arrival counter per group (zero between tasks: the last
+ *           arrival resets it), padded to a multiple of 4 words, then S * groups partials when
+ *           S > 1;
  *   out [..., D]; scalars[0] = scale.
  * Plan: the innermost G rows over which K, V and lengths do not move share one pass over their
  * keys; they form ceil(G / NQ) groups of at most NQ rows (queries). The keys [0, L) are cut into
@@ -234,7 +235,8 @@ __device__ __forceinline__ void gpuos_attn_stage_q(const GpuosTask* t, const Gpu
           v = make_uint4(w[0], w[1], w[2], w[3]);
         }
       }
-      *reinterpret_cast<uint4*>(reinterpret_cast<char*>(qs) + r * gpuos_attn_qpitch(p.d) + 2 * k) = v;
+      char* row = reinterpret_cast<char*>(qs) + r * gpuos_attn_qpitch(p.d);
+      *reinterpret_cast<uint4*>(row + 2 * k) = v;
     }
     return;
   }
@@ -404,7 +406,8 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
   float (&prob)[GPUOS_ATTN_TILE][GPUOS_ATTN_MAX_Q] = sh.tile[warp].p;
   float m0 = none, m1 = none, l0 = 0.0f, l1 = 0.0f; /* queries 2c and 2c + 1 */
   GPUOS_ROLLED
-  for (int kb = first; kb < first + GPUOS_ATTN_ALIGN; kb += step) gpuos_attn_prefetch(it, kb, bytes);
+  for (int kb = first; kb < first + GPUOS_ATTN_ALIGN; kb += step)
+    gpuos_attn_prefetch(it, kb, bytes);
   GPUOS_ROLLED
   for (int kb = first; kb < it.k1; kb += step) {
     gpuos_attn_prefetch(it, kb + GPUOS_ATTN_ALIGN, bytes);
@@ -581,6 +584,15 @@ __device__ __forceinline__ void gpuos_attn_combine(const GpuosTask* t, const Gpu
   });
 }
 
+/* Counts the item's split in on its group's counter (atomicInc wraps at A, so the counter is zero
+ * again after the last): whether this arrival completes the group. One thread calls, once the
+ * fence and barrier of every thread that wrote the partial are behind it. */
+__device__ __forceinline__ bool gpuos_attn_completes(const GpuosAttnPlan& p,
+                                                     const GpuosAttnItem& it) {
+  const unsigned int last = static_cast<unsigned int>(it.active - 1);
+  return atomicInc(p.counters + it.group, last) == last;
+}
+
 /* The merged item: out when it is the group's only split, else its partial, counted in on the
  * group's counter; the block that completes the group combines it. All threads call. */
 __device__ __forceinline__ void gpuos_attn_emit(const GpuosTask* t, const GpuosAttnPlan& p,
@@ -597,10 +609,7 @@ __device__ __forceinline__ void gpuos_attn_emit(const GpuosTask* t, const GpuosA
   if (threadIdx.x < it.nq) part[p.nq + threadIdx.x] = sh.lall[threadIdx.x];
   __threadfence(); /* this thread's partials are visible before the count that announces them */
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned int seen = atomicInc(p.counters + it.group, it.active - 1);
-    sh.last = seen == static_cast<unsigned int>(it.active - 1);
-  }
+  if (threadIdx.x == 0) sh.last = gpuos_attn_completes(p, it);
   __syncthreads();
   if (sh.last) {
     __threadfence(); /* the other splits' partials, fenced before their counts, are read after */
@@ -730,9 +739,7 @@ __device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const G
   if (lane < it.nq) part[lane] = m[lane], part[p.nq + lane] = l[lane];
   __threadfence(); /* this lane's partials are visible before the count that announces them */
   __syncwarp();
-  unsigned int last = 0;
-  if (lane == 0)
-    last = atomicInc(p.counters + it.group, it.active - 1) == static_cast<unsigned int>(it.active - 1);
+  const int last = lane == 0 && gpuos_attn_completes(p, it);
   if (__shfl_sync(GPUOS_ALL_LANES, last, 0)) {
     __threadfence(); /* the other splits' partials, fenced before their counts, are read after */
     gpuos_attn_combine(t, p, it, lane, GPUOS_WARP);

@@ -472,7 +472,10 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
 #pragma unroll
     for (int a = 0; a < TM; ++a) {
 #pragma unroll
-      for (int f = 0; f < NW; ++f) acc[a][f][0] = acc[a][f][1] = acc[a][f][2] = acc[a][f][3] = 0.0f;
+      for (int f = 0; f < NW; ++f) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[a][f][e] = 0.0f;
+      }
     }
     GPUOS_ROLLED
     for (int j0 = 0; j0 < it.steps; j0 += Pipe::STEPS) {
@@ -492,7 +495,8 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
         const unsigned int at = stage + 64 * js;
         uint4 b[NW];
 #pragma unroll
-        for (int f = 0; f < NW; ++f) b[f] = gpuos_lds16(at + (js & 1 ? wodd : weven) + 8 * f * Pipe::PITCH);
+        for (int f = 0; f < NW; ++f)
+          b[f] = gpuos_lds16(at + (js & 1 ? wodd : weven) + 8 * f * Pipe::PITCH);
         const unsigned int xl = at + (js & 1 ? xodd : xeven);
 #pragma unroll
         for (int a = 0; a < TM; ++a) {
