@@ -46,7 +46,8 @@ class Records:
     claimed: np.ndarray
     ready: np.ndarray
     done: np.ndarray
-    marks: np.ndarray  # [records, 8]: an operator's GPUOS_MARK points, µs after ready; NaN: none
+    marks: np.ndarray  # [records, 8]: an operator's GPUOS_MARK points, µs after ready (before
+    # it: an early operator's work before its wait); NaN: none
 
     @classmethod
     def last_run(cls, table: np.ndarray, n: int) -> Records:
@@ -60,7 +61,8 @@ class Records:
         # are published, so a claim may precede the run)
         us = [(rows[:, k].astype(np.float64) - float(t0)) / 1e3 for k in (1, 2, 3)]
         marks = (rows[:, 4:].astype(np.float64) - rows[:, 2:3].astype(np.float64)) / 1e3
-        marks[(rows[:, 4:] < rows[:, 2:3]) | (rows[:, 4:] > rows[:, 3:4])] = np.nan  # stale
+        # stale: from an earlier record of the slot (an early operator's marks precede ready)
+        marks[(rows[:, 4:] < rows[:, 1:2]) | (rows[:, 4:] > rows[:, 3:4])] = np.nan
         return cls((rows[:, 0] >> np.uint64(48)).astype(np.int64), *us, marks)
 
 
@@ -136,8 +138,8 @@ def by_op(path: list[dict]) -> dict[str, dict]:
     return dict(sorted(out.items(), key=lambda kv: -(kv[1]["edge_us"] + kv[1]["span_us"])))
 
 
-def measure(rt: Runtime, name: str, program: Program, reps: int) -> dict:
-    """Median wall ms of `reps` runs, then the trace of the last."""
+def measure(rt: Runtime, name: str, program: Program, reps: int, raw: Path | None) -> dict:
+    """Median wall ms of `reps` runs, then the trace of the last (its records into `raw`)."""
     rt.submit(program).wait(60).check()  # first run: warm
     walls = []
     for _ in range(reps):
@@ -146,6 +148,8 @@ def measure(rt: Runtime, name: str, program: Program, reps: int) -> dict:
         walls.append(1e3 * (time.perf_counter() - started))
     rec = Records.last_run(rt.backend.trace(), len(program.tasks.records))
     path = critical_path(program, stages(program, rec))
+    if raw is not None:
+        save_raw(raw / f"{len(list(raw.glob('*.npz'))):02d}.npz", name, program, rec)
     device_ms = rec.done.max() / 1e3  # first record ready to last done
     result = {
         "name": name,
@@ -161,6 +165,25 @@ def measure(rt: Runtime, name: str, program: Program, reps: int) -> dict:
     }
     show(result)
     return result
+
+
+def save_raw(path: Path, name: str, program: Program, rec: Records) -> None:
+    """The run's records in program order: SM, claimed, ready, done (µs), marks (µs after ready,
+    stale ones NaN), and each record's task and operator name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tl = program.tasks
+    names = np.array([tl.op_names[tl.op_of_task[t]] for t in tl.owners.tolist()])
+    np.savez_compressed(
+        path,
+        name=name,
+        sm=rec.sm,
+        claimed=rec.claimed,
+        ready=rec.ready,
+        done=rec.done,
+        marks=rec.marks,
+        task=tl.owners,
+        op=names,
+    )
 
 
 def show(r: dict) -> None:
@@ -188,9 +211,9 @@ def show(r: dict) -> None:
         )
 
 
-def chain(rt: Runtime, op: str, n: int, hidden: int, dtype: torch.dtype) -> Program:
-    """n dependent calls of `op` on one row of `hidden` (attention: 12 heads of 64 over 65 of
-    128 keys, GPT-2's decode of one row at position 64)."""
+def chain(rt: Runtime, ops: list[str], n: int, hidden: int, dtype: torch.dtype) -> Program:
+    """n dependent calls on one row of `hidden`, call i of ops[i % len(ops)] (attention: 12 heads
+    of 64 over 65 of 128 keys, GPT-2's decode of one row at position 64)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, hidden, device="cuda", dtype=dtype, generator=gen)
     weight = torch.randn(hidden, hidden, device="cuda", dtype=dtype, generator=gen) / hidden**0.5
@@ -200,7 +223,8 @@ def chain(rt: Runtime, op: str, n: int, hidden: int, dtype: torch.dtype) -> Prog
     )
     lengths = torch.full((12,), 65, device="cuda", dtype=torch.int32)
     build = rt.program()
-    for _ in range(n):
+    for i in range(n):
+        op, x = ops[i % len(ops)], x.view(1, hidden)
         if op == "attention_decode":
             x = build.add(
                 OpCall(op, (x.view(12, 64), keys, values, lengths), scalars={"scale": 0.125})
@@ -240,17 +264,23 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--max-len", type=int, default=128, help="tokens a KV slot holds")
+    ap.add_argument(
+        "--raw", type=Path, help="also write each program's records (µs, marks, ops) as .npz here"
+    )
     args = ap.parse_args()
     rt = Runtime(config=RuntimeConfig(backend="cuda", cuda=CudaConfig(trace=True)))
     results = []
     with tempfile.TemporaryDirectory() as tmp, rt:
-        for op in ("add", "layernorm", "linear", "attention_decode"):
+        ops = ["add", "layernorm", "linear", "attention_decode"]
+        # each alone, then in turn: what a record pays for following another operator
+        for name, cycle in [(op, [op]) for op in ops] + [(" / ".join(ops), ops)]:
             results.append(
                 measure(
                     rt,
-                    f"chain of 48 {op} (1 x 768)",
-                    chain(rt, op, 48, 768, torch.float16),
+                    f"chain of 48 {name} (1 x 768)",
+                    chain(rt, cycle, 48, 768, torch.float16),
                     args.reps,
+                    args.raw,
                 )
             )
         for rows in args.rows:
@@ -260,6 +290,7 @@ def main() -> None:
                     f"{args.shape} step, {rows} decode rows, slots of {args.max_len}",
                     step(rt, args.shape, rows, args.max_len, Path(tmp)),
                     args.reps,
+                    args.raw,
                 )
             )
     device = torch.cuda.get_device_name().split()[-1].lower()

@@ -102,6 +102,22 @@ __device__ __forceinline__ unsigned int gpuos_acquire_u32(const unsigned int* p)
   return v;
 }
 
+/* Counts one arrival of `last + 1` in on `counter` (wrapping to zero after the last, so it is
+ * ready for the next run) and returns whether it was the last. One thread calls it for its
+ * block or warp, after a barrier (bar.sync, __syncwarp) behind every writer of what the arrival
+ * announces: the barrier makes their writes visible to the caller, the release is cumulative
+ * over them, and the acquire makes the other arrivals' writes visible to the caller, which the
+ * barrier after it extends to the readers. One acq_rel atomic, where a fence in every thread
+ * before and after an atomicInc did the same. */
+__device__ __forceinline__ bool gpuos_count_in(unsigned int* counter, unsigned int last) {
+  unsigned int seen;
+  asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;"
+               : "=r"(seen)
+               : "l"(counter), "r"(last)
+               : "memory");
+  return seen == last;
+}
+
 /* Thread 0 polls until every event `need` names has reached the task's count for it, all of
  * them in flight together, with acquire loads (the producers' writes they released are then
  * visible to thread 0; the caller's barrier orders every other thread after it). Returns what it

@@ -29,8 +29,8 @@
  * are, 32 at a time by the lanes) are dealt to the warps in turn, so ragged rows spread evenly.
  * It needs the tensor-core path and GPUOS_ATTN_WARPS staging areas in dynamic shared memory;
  * without them the block mode runs the same items. In either mode, with A = 1 the item's
- * outputs go to out; otherwise it stores its partial (m, l, o per query), fences, and counts
- * itself in on the group's counter (atomicInc wraps at A); the block or warp that arrives last
+ * outputs go to out; otherwise it stores its partial (m, l, o per query) and counts itself in
+ * on the group's counter (gpuos_count_in, which wraps at A); the block or warp that arrives last
  * combines the A partials in split order. Every step has a fixed order, so results are bitwise
  * reproducible. A task must not run concurrently with itself (a second run would share the
  * counters).
@@ -584,13 +584,12 @@ __device__ __forceinline__ void gpuos_attn_combine(const GpuosTask* t, const Gpu
   });
 }
 
-/* Counts the item's split in on its group's counter (atomicInc wraps at A, so the counter is zero
- * again after the last): whether this arrival completes the group. One thread calls, once the
- * fence and barrier of every thread that wrote the partial are behind it. */
+/* Counts the item's split in on its group's counter: whether this arrival completes the group.
+ * One thread calls, after the barrier behind every thread that wrote the partial
+ * (gpuos_count_in). */
 __device__ __forceinline__ bool gpuos_attn_completes(const GpuosAttnPlan& p,
                                                      const GpuosAttnItem& it) {
-  const unsigned int last = static_cast<unsigned int>(it.active - 1);
-  return atomicInc(p.counters + it.group, last) == last;
+  return gpuos_count_in(p.counters + it.group, static_cast<unsigned int>(it.active - 1));
 }
 
 /* The merged item: out when it is the group's only split, else its partial, counted in on the
@@ -607,14 +606,10 @@ __device__ __forceinline__ void gpuos_attn_emit(const GpuosTask* t, const GpuosA
   for (int i = threadIdx.x; i < it.nq * p.d; i += blockDim.x) part[2 * p.nq + i] = sh.o[i];
   if (threadIdx.x < it.nq) part[threadIdx.x] = sh.mall[threadIdx.x];
   if (threadIdx.x < it.nq) part[p.nq + threadIdx.x] = sh.lall[threadIdx.x];
-  __threadfence(); /* this thread's partials are visible before the count that announces them */
   __syncthreads();
   if (threadIdx.x == 0) sh.last = gpuos_attn_completes(p, it);
   __syncthreads();
-  if (sh.last) {
-    __threadfence(); /* the other splits' partials, fenced before their counts, are read after */
-    gpuos_attn_combine(t, p, it, threadIdx.x, blockDim.x);
-  }
+  if (sh.last) gpuos_attn_combine(t, p, it, threadIdx.x, blockDim.x);
 }
 
 /* ---- the operator --------------------------------------------------------------------------- */
@@ -737,11 +732,10 @@ __device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const G
   GPUOS_MARK(4);
   if (part == nullptr) return;
   if (lane < it.nq) part[lane] = m[lane], part[p.nq + lane] = l[lane];
-  __threadfence(); /* this lane's partials are visible before the count that announces them */
   __syncwarp();
   const int last = lane == 0 && gpuos_attn_completes(p, it);
   if (__shfl_sync(GPUOS_ALL_LANES, last, 0)) {
-    __threadfence(); /* the other splits' partials, fenced before their counts, are read after */
+    __syncwarp(); /* orders every lane's reads after lane 0's acquire */
     gpuos_attn_combine(t, p, it, lane, GPUOS_WARP);
   }
 }
@@ -815,6 +809,7 @@ __device__ __forceinline__ void gpuos_attention_decode(const GpuosTask* t) {
   __syncthreads();
   GPUOS_MARK(0);
   if (sh.plan.fast) gpuos_attn_warm(t, sh.plan);
+  GPUOS_MARK(6);
   gpuos_await(t);
   /* Few versions of the loops: dims per lane rounded up to a power of two. */
   const int d = sh.plan.d;

@@ -15,10 +15,10 @@
  * A work item is one (m-block, split, n-tile), numbered i = (nt * S + s) * MB + mb (neighbouring
  * items share a tile of W, or a tile's splits); a record covers items [range_begin, range_end).
  *
- * Split-K combine, deterministic: every split stores its fp32 partial block, fences, and its
- * block adds one to the tile's counter (atomicInc wraps at S, so the counter is back to zero
- * after the last); the block that sees S - 1 sums the S blocks in split order, adds the bias and
- * writes out. A task must not run concurrently with itself (a second run would share counters).
+ * Split-K combine, deterministic: every split stores its fp32 partial block, and its block adds
+ * one to the tile's counter (gpuos_count_in: wraps at S, so the counter is back to zero after the
+ * last); the block that sees S - 1 sums the S blocks in split order, adds the bias and writes
+ * out. A task must not run concurrently with itself (a second run would share counters).
  *
  * Tensor-core path (fp16/bf16, K > 0 and K % 8 == 0, 16-byte aligned rows of x and W, rows of x
  * and of out one stride apart, blockDim >= 256, GPUOS_LINEAR_SMEM bytes of dynamic shared memory):
@@ -34,7 +34,10 @@
  * (gpuos_settled), its first stages are issued before the wait for x. Registers: 96 (the NVRTC
  * cap).
  * Anything else (fp32, odd strides or alignment, K = 0, small blocks) takes the CUDA-core path:
- * one thread per output, same items, same combine. */
+ * one thread per output, same items, same combine.
+ * Trace marks (bench/step_trace.py), tensor-core path: 0 plan, 6 W's first stages issued, 2 the
+ * record's first stage in, 3 an item's products, 1 its values stored, 4 counted in, 5 combined,
+ * 7 the combine's first quad summed. */
 #pragma once
 
 #include "gpuos_device.cuh" /* found through -I<repo>/cuda */
@@ -139,13 +142,21 @@ __device__ __forceinline__ GpuosLinearItem gpuos_linear_item(const GpuosLinearPl
 
 /* ---- outputs: final values and the split-K combine ------------------------------------------ */
 
-/* out[m][n] = v + bias[n]. UNIFORM: rows of out are p.ors apart (the tensor-core path's
- * condition), which spares every store a walk over out's dims. */
+/* Bias of output n: 0 without a bias or past the outputs. Callers load it ahead of the stores
+ * that use it: a load behind a store waits for that store's issue (in order), so one load per
+ * store made every store a round trip to L2. */
+__device__ __forceinline__ float gpuos_linear_bias(const GpuosTask* t, const GpuosLinearPlan& p,
+                                                   int n) {
+  const GpuosTensorRef& b = t->in[2];
+  return b.numel != 0 && n < p.n ? gpuos_load(b, n * b.strides[0]) : 0.0f;
+}
+
+/* out[m][n] = v (the bias already added). UNIFORM: rows of out are p.ors apart (the tensor-core
+ * path's condition), which spares every store a walk over out's dims. */
 template <bool UNIFORM>
 __device__ __forceinline__ void gpuos_linear_final(const GpuosTask* t, const GpuosLinearPlan& p,
                                                    int m, int n, float v) {
-  const GpuosTensorRef &o = t->out, &b = t->in[2];
-  if (b.numel != 0) v += gpuos_load(b, n * b.strides[0]);
+  const GpuosTensorRef& o = t->out;
   gpuos_store(o, UNIFORM ? m * p.ors + n * o.strides[o.ndim - 1] : gpuos_row_offset(o, m, n), v);
 }
 
@@ -157,49 +168,41 @@ __device__ __forceinline__ float* gpuos_linear_part(const GpuosTask* t, const Gp
   return reinterpret_cast<float*>(t->in[3].data) + gpuos_linear_counters(tiles) + block;
 }
 
-/* Value v of output (row r, column c) of the item's tile: final when K is not split, else its
- * split's partial. */
-template <bool UNIFORM>
-__device__ __forceinline__ void gpuos_linear_emit(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                  const GpuosLinearItem& it, int r, int c,
-                                                  float v) {
-  if (p.splits == 1) {
-    gpuos_linear_final<UNIFORM>(t, p, GPUOS_LINEAR_BM * it.mb + r, GPUOS_LINEAR_BN * it.nt + c, v);
-  } else {
-    gpuos_linear_part(t, p, it, it.s)[r * GPUOS_LINEAR_BN + c] = v;
-  }
-}
-
-/* The tile's outputs from its S partial blocks, summed in split order (4 splits' loads in flight
- * at a time), by all threads. */
+/* The tile's outputs from its S partial blocks, summed in split order, by all threads, 4 outputs
+ * (a quad) a thread at a time: U splits' loads of a quad in flight together, its biases with
+ * the first of them. */
 template <bool UNIFORM>
 __device__ __forceinline__ void gpuos_linear_combine(const GpuosTask* t, const GpuosLinearPlan& p,
                                                      const GpuosLinearItem& it) {
+  constexpr int U = 8, QUADS = GPUOS_LINEAR_BN / 4;
   const int64_t plane = static_cast<int64_t>(p.mblocks) * p.ntiles * p.prows * GPUOS_LINEAR_BN;
   const float* first = gpuos_linear_part(t, p, it, 0);
   GPUOS_ROLLED
-  for (int i = threadIdx.x; i < it.rows * (GPUOS_LINEAR_BN / 4); i += blockDim.x) {
-    const int r = i / (GPUOS_LINEAR_BN / 4), c = 4 * (i % (GPUOS_LINEAR_BN / 4));
-    const float* at = first + r * GPUOS_LINEAR_BN + c;
-    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    GPUOS_ROLLED
-    for (int s0 = 0; s0 < p.splits; s0 += GPUOS_ILP) {
-      float4 v[GPUOS_ILP];
+  for (int i = threadIdx.x; i < it.rows * QUADS; i += blockDim.x) {
+    const int m = GPUOS_LINEAR_BM * it.mb + i / QUADS, n = GPUOS_LINEAR_BN * it.nt + 4 * (i % QUADS);
+    float bias[4];
 #pragma unroll
-      for (int u = 0; u < GPUOS_ILP; ++u) {
+    for (int e = 0; e < 4; ++e) bias[e] = gpuos_linear_bias(t, p, n + e);
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    GPUOS_ROLLED
+    for (int s0 = 0; s0 < p.splits; s0 += U) {
+      float4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) { /* past the splits: split s0 again, not added */
         const int s = s0 + u < p.splits ? s0 + u : s0;
-        v[u] = __ldcg(reinterpret_cast<const float4*>(at + s * plane));
+        v[u] = __ldcg(reinterpret_cast<const float4*>(first + s * plane) + i);
       }
 #pragma unroll
-      for (int u = 0; u < GPUOS_ILP; ++u) {
+      for (int u = 0; u < U; ++u) {
         if (s0 + u >= p.splits) continue;
-        sum[0] += v[u].x, sum[1] += v[u].y, sum[2] += v[u].z, sum[3] += v[u].w;
+        sum.x += v[u].x, sum.y += v[u].y, sum.z += v[u].z, sum.w += v[u].w;
       }
     }
+    if (i == threadIdx.x) GPUOS_MARK(7); /* thread 0's first quad summed */
+    const float out[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int n = GPUOS_LINEAR_BN * it.nt + c + e;
-      if (n < p.n) gpuos_linear_final<UNIFORM>(t, p, GPUOS_LINEAR_BM * it.mb + r, n, sum[e]);
+      if (n + e < p.n) gpuos_linear_final<UNIFORM>(t, p, m, n + e, out[e] + bias[e]);
     }
   }
 }
@@ -211,17 +214,16 @@ template <bool UNIFORM>
 __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const GpuosLinearPlan& p,
                                                     const GpuosLinearItem& it, int* last) {
   if (p.splits == 1) return;
-  __threadfence(); /* this thread's partials are visible before the count that announces them */
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned int* counters = reinterpret_cast<unsigned int*>(t->in[3].data);
-    const unsigned int seen = atomicInc(counters + it.nt * p.mblocks + it.mb, p.splits - 1);
-    *last = seen == static_cast<unsigned int>(p.splits - 1);
+    *last = gpuos_count_in(counters + it.nt * p.mblocks + it.mb, p.splits - 1);
   }
   __syncthreads();
+  GPUOS_MARK(4);
   if (*last) {
-    __threadfence(); /* the other splits' partials, fenced before their counts, are read after */
     gpuos_linear_combine<UNIFORM>(t, p, it);
+    GPUOS_MARK(5);
   }
 }
 
@@ -244,7 +246,11 @@ __device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const G
       GPUOS_ROLLED
       for (int k = it.k0; k < it.k1; ++k, xp += xstep, wp += wstep)
         sum += gpuos_load_ptr(xp, x.dtype) * gpuos_load_ptr(wp, w.dtype);
-      gpuos_linear_emit<false>(t, p, it, r, c, sum);
+      if (p.splits == 1) {
+        gpuos_linear_final<false>(t, p, GPUOS_LINEAR_BM * it.mb + r, n, sum + gpuos_linear_bias(t, p, n));
+      } else {
+        gpuos_linear_part(t, p, it, it.s)[r * GPUOS_LINEAR_BN + c] = sum;
+      }
     }
     gpuos_linear_arrive<false>(t, p, it, last);
   }
@@ -451,6 +457,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
     }
     fill = GpuosLinearStage::at(t, p, begin, KC);
   }
+  GPUOS_MARK(6);
   gpuos_await(t);
 #pragma unroll
   for (int s = 0; s < NS - 1; ++s, fill.next(t, p, KC)) {
@@ -468,6 +475,13 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
   GPUOS_ROLLED
   for (int i = begin; i < end; ++i) {
     const GpuosLinearItem it = gpuos_linear_item(p, i);
+    float bias[NW][2]; /* of this lane's outputs (K unsplit: the combine adds it otherwise) */
+#pragma unroll
+    for (int f = 0; f < NW; ++f) {
+      const int n = GPUOS_LINEAR_BN * it.nt + 8 * (NW * wn + f) + 2 * q;
+      bias[f][0] = p.splits == 1 ? gpuos_linear_bias(t, p, n) : 0.0f;
+      bias[f][1] = p.splits == 1 ? gpuos_linear_bias(t, p, n + 1) : 0.0f;
+    }
     float acc[TM][NW][4];
 #pragma unroll
     for (int a = 0; a < TM; ++a) {
@@ -487,6 +501,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
       gpuos_linear_issue<R>(t, p, base + refill * Pipe::BYTES, fill, true, true);
       gpuos_cp_async_commit();
       fill.next(t, p, KC);
+      if (i == begin && j0 == 0) GPUOS_MARK(2); /* the record's first stage is in */
       const unsigned int stage = base + consume * Pipe::BYTES;
       consume = consume == NS - 1 ? 0 : consume + 1;
       if (!active) continue;
@@ -511,18 +526,27 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
         }
       }
     }
-    /* acc[a][f][e]: row 16 (TM wm + a) + g (+ 8 for e >= 2) of x, output 8 (NW wn + f) + 2 q
-     * (+ 1 for odd e) */
+    GPUOS_MARK(3);
+    /* acc[a][f][2 h + e]: row 16 (TM wm + a) + g + 8 h of x, output 8 (NW wn + f) + 2 q + e: the
+     * final values, or two neighbours of the split's partial block in one store (its columns
+     * past N hold zeros, which the combine never reads) */
+    float* part = p.splits == 1 ? nullptr : gpuos_linear_part(t, p, it, it.s);
 #pragma unroll
     for (int a = 0; a < TM; ++a) {
 #pragma unroll
       for (int f = 0; f < NW; ++f) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = 16 * (TM * wm + a) + g + 8 * (e >> 1);
-          const int c = 8 * (NW * wn + f) + 2 * q + (e & 1);
-          if (active && r < it.rows && GPUOS_LINEAR_BN * it.nt + c < p.n)
-            gpuos_linear_emit<true>(t, p, it, r, c, acc[a][f][e]);
+        for (int h = 0; h < 2; ++h) {
+          const int r = 16 * (TM * wm + a) + g + 8 * h, c = 8 * (NW * wn + f) + 2 * q;
+          const int m = GPUOS_LINEAR_BM * it.mb + r, n = GPUOS_LINEAR_BN * it.nt + c;
+          const float v0 = acc[a][f][2 * h], v1 = acc[a][f][2 * h + 1];
+          if (!active || r >= it.rows) continue;
+          if (part != nullptr) {
+            *reinterpret_cast<float2*>(part + r * GPUOS_LINEAR_BN + c) = make_float2(v0, v1);
+            continue;
+          }
+          if (n < p.n) gpuos_linear_final<true>(t, p, m, n, v0 + bias[f][0]);
+          if (n + 1 < p.n) gpuos_linear_final<true>(t, p, m, n + 1, v1 + bias[f][1]);
         }
       }
     }
