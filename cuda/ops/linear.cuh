@@ -168,49 +168,83 @@ __device__ __forceinline__ float* gpuos_linear_part(const GpuosTask* t, const Gp
   return reinterpret_cast<float*>(t->in[3].data) + gpuos_linear_counters(tiles) + block;
 }
 
-/* The tile's outputs from its S partial blocks, summed in split order, by all threads, 4 outputs
- * (a quad) a thread at a time: U splits' loads of a quad in flight together, its biases with
- * the first of them. */
-template <bool UNIFORM>
-__device__ __forceinline__ void gpuos_linear_combine(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                     const GpuosLinearItem& it) {
-  constexpr int U = 8, QUADS = GPUOS_LINEAR_BN / 4;
+/* The tile's outputs from its S partial blocks, summed in split order, by all threads in groups
+ * of 4 outputs (quads): a thread takes C quads at a time with U splits of each, all C U loads in
+ * flight together and its quads' biases with them. */
+template <bool UNIFORM, int C, int U>
+__device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
+                                                           const GpuosLinearPlan& p,
+                                                           const GpuosLinearItem& it) {
+  constexpr int QUADS = GPUOS_LINEAR_BN / 4; /* quad i: row i / QUADS, outputs 4 (i % QUADS) on */
   const int64_t plane = static_cast<int64_t>(p.mblocks) * p.ntiles * p.prows * GPUOS_LINEAR_BN;
-  const float* first = gpuos_linear_part(t, p, it, 0);
+  const float4* first = reinterpret_cast<const float4*>(gpuos_linear_part(t, p, it, 0));
+  const int quads = it.rows * QUADS;
   GPUOS_ROLLED
-  for (int i = threadIdx.x; i < it.rows * QUADS; i += blockDim.x) {
-    const int m = GPUOS_LINEAR_BM * it.mb + i / QUADS, n = GPUOS_LINEAR_BN * it.nt + 4 * (i % QUADS);
-    float bias[4];
+  for (int i0 = threadIdx.x; i0 < quads; i0 += C * blockDim.x) {
+    float bias[C][4];
+    float4 sum[C];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) bias[e] = gpuos_linear_bias(t, p, n + e);
-    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int c = 0; c < C; ++c) {
+      const int n = GPUOS_LINEAR_BN * it.nt + 4 * ((i0 + c * blockDim.x) % QUADS);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) bias[c][e] = gpuos_linear_bias(t, p, n + e);
+      sum[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
     GPUOS_ROLLED
     for (int s0 = 0; s0 < p.splits; s0 += U) {
-      float4 v[U];
+      float4 v[C][U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) { /* past the splits: split s0 again, not added */
-        const int s = s0 + u < p.splits ? s0 + u : s0;
-        v[u] = __ldcg(reinterpret_cast<const float4*>(first + s * plane) + i);
+      for (int c = 0; c < C; ++c) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) { /* past the quads or splits: quad i0, split s0 again */
+          const int i = i0 + c * blockDim.x < quads ? i0 + c * blockDim.x : i0;
+          v[c][u] = __ldcg(first + (s0 + u < p.splits ? s0 + u : s0) * plane / 4 + i);
+        }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (s0 + u >= p.splits) continue;
-        sum.x += v[u].x, sum.y += v[u].y, sum.z += v[u].z, sum.w += v[u].w;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          if (s0 + u >= p.splits) continue;
+          sum[c].x += v[c][u].x, sum[c].y += v[c][u].y;
+          sum[c].z += v[c][u].z, sum[c].w += v[c][u].w;
+        }
       }
     }
-    if (i == threadIdx.x) GPUOS_MARK(7); /* thread 0's first quad summed */
-    const float out[4] = {sum.x, sum.y, sum.z, sum.w};
+    if (i0 == threadIdx.x) GPUOS_MARK(7); /* thread 0's first quads summed */
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (n + e < p.n) gpuos_linear_final<UNIFORM>(t, p, m, n + e, out[e] + bias[e]);
+    for (int c = 0; c < C; ++c) {
+      const int i = i0 + c * blockDim.x, m = GPUOS_LINEAR_BM * it.mb + i / QUADS;
+      const int n = GPUOS_LINEAR_BN * it.nt + 4 * (i % QUADS);
+      const float out[4] = {sum[c].x, sum[c].y, sum[c].z, sum[c].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (i < quads && n + e < p.n)
+          gpuos_linear_final<UNIFORM>(t, p, m, n + e, out[e] + bias[c][e]);
+      }
     }
+  }
+}
+
+/* The combine, 8 splits of a quad in flight where a thread has at most one quad, else 4 splits
+ * of 2 quads (at 64 rows, 4 quads a thread: two rounds of loads instead of four). WIDE: an
+ * m-block may have more quads than the block threads (more than 16 rows); else the one-quad
+ * version alone is compiled, which spares the small-M paths its registers. */
+template <bool UNIFORM, bool WIDE>
+__device__ __forceinline__ void gpuos_linear_combine(const GpuosTask* t, const GpuosLinearPlan& p,
+                                                     const GpuosLinearItem& it) {
+  if (WIDE && it.rows * (GPUOS_LINEAR_BN / 4) > static_cast<int>(blockDim.x)) {
+    gpuos_linear_combine_quads<UNIFORM, 2, 4>(t, p, it);
+  } else {
+    gpuos_linear_combine_quads<UNIFORM, 1, 8>(t, p, it);
   }
 }
 
 /* After every thread emitted the item's values: with K split, count this split in and, in the
  * block that completes the tile, combine it. All threads call; `last` is shared scratch (read
- * here before any thread can pass the next call's first barrier, where it is rewritten). */
-template <bool UNIFORM>
+ * here before any thread can pass the next call's first barrier, where it is rewritten). WIDE as
+ * in gpuos_linear_combine. */
+template <bool UNIFORM, bool WIDE>
 __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const GpuosLinearPlan& p,
                                                     const GpuosLinearItem& it, int* last) {
   if (p.splits == 1) return;
@@ -222,7 +256,7 @@ __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const Gp
   __syncthreads();
   GPUOS_MARK(4);
   if (*last) {
-    gpuos_linear_combine<UNIFORM>(t, p, it);
+    gpuos_linear_combine<UNIFORM, WIDE>(t, p, it);
     GPUOS_MARK(5);
   }
 }
@@ -252,7 +286,7 @@ __device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const G
         gpuos_linear_part(t, p, it, it.s)[r * GPUOS_LINEAR_BN + c] = sum;
       }
     }
-    gpuos_linear_arrive<false>(t, p, it, last);
+    gpuos_linear_arrive<false, true>(t, p, it, last);
   }
 }
 
@@ -551,7 +585,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
       }
     }
     GPUOS_MARK(1);
-    gpuos_linear_arrive<true>(t, p, it, last);
+    gpuos_linear_arrive<true, (R > 16)>(t, p, it, last);
   }
   gpuos_cp_async_wait<0>(); /* no copy may land in shared memory after the operator returned */
 }

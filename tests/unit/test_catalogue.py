@@ -157,6 +157,19 @@ def test_row_operators(rt: Runtime, op: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
+def test_norms_on_either_side_of_the_warp_row_limit(
+    rt: Runtime, op: str, dtype: torch.dtype
+) -> None:
+    """Rows of up to 256 go one per warp, longer ones too when there are rows for every warp,
+    else the whole block takes each row; weight and bias given."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    for rows, n in [(3, 256), (3, 257), (64, 257), (2, 768), (1, 2049)]:
+        params = tuple(rand(rt, (n,), dtype, gen) for _ in range(2 if op == "layernorm" else 1))
+        check(rt, OpCall(op, (rand(rt, (rows, n), dtype, gen) * 3,) + params))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", ["sum", "mean"])
 def test_reductions_over_dims_with_keepdim(rt: Runtime, op: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(random.randrange(2**31))

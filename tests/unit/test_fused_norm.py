@@ -17,7 +17,9 @@ from gpuos_core import OpCall, Runtime
 from gpuos_core.errors import TensorSpecError
 
 OPS = ("add_rmsnorm", "add_layernorm")
+# ragged lengths, rows one per warp and rows a block each, either side of 256 (the warp's limit)
 SHAPES = [(1, 1), (3, 7), (5, 33), (2, 3, 300), (1, 4096), (17, 1000), (64, 257)]
+SHAPES += [(3, 256), (3, 257), (1, 768)]
 
 
 @pytest.fixture(scope="module")
