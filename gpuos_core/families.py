@@ -628,6 +628,10 @@ LINEAR_STEP_ALIGN = 8  # a split's steps come in multiples of this
 LINEAR_PART_ROWS = 16  # rows of a partial block are rounded up to this
 LINEAR_MAX_SPLITS = 64
 LINEAR_ITEM_COST = 4  # what starting an item costs, in steps of one tile (plan's cost model)
+# What splitting K costs on top of the partials' bytes, in the same steps: the count-in and the
+# last split's round trips to L2 for the partials (traced on the H200: ~3.5 us at 1 row, ~7 us
+# at 64 rows, against ~0.1-0.4 us a step).
+LINEAR_SPLIT_COST = 16
 DEFAULT_SMS = 132  # multiprocessors assumed off a GPU (an H100 or H200), so plans agree
 
 
@@ -702,11 +706,12 @@ class LinearPlan:
 
     def _cost(self, sms: int) -> float:
         """Time in steps of one tile (4 KB of weights): the busiest block's items (each also
-        writes its partial block when K is split), then the last split's sum of the partials."""
+        writes its partial block when K is split), then the count-in and the last split's sum
+        of the partials."""
         if self.items == 0:
             return 0.0
         partial = self.prows / 16 if self.splits > 1 else 0.0  # 4 KB per 16 rows of fp32
-        combine = self.splits * partial / 2 if self.splits > 1 else 0.0  # read from L2
+        combine = LINEAR_SPLIT_COST + self.splits * partial / 2 if self.splits > 1 else 0.0
         return _ceil_div(self.items, sms) * (self.kch + LINEAR_ITEM_COST + partial) + combine
 
     @classmethod
