@@ -1,16 +1,17 @@
 """Where a device program's time goes, record by record: the worker's own trace
-(CudaConfig.trace) of the LLM decode step program and of chains of one operator, read as stages
-(a task's records) along the program's critical path. Needs CUDA.
+(CudaConfig.trace) of the LLM decode step program and of chains of one operator (and of four
+in turn), read as stages (a task's records) along the program's critical path. Needs CUDA.
 
     python3 bench/step_trace.py --out bench/results [--shape gpt2] [--rows 1 64] [--reps 30]
-        [--max-len 128]
+        [--max-len 128] [--raw DIR]
 
 Per program: the median wall time of a run (submit to completion, traced worker), then along the
 critical path of its last run (walking back from the last record to finish, each time to the
 producer that finished last): per stage, its edge (its first record's waits met, after its latest
 producer's last record was done), its span (first record ready to last record done) and its
 records' median run time. Sums by operator name say what the step spends its time on. Writes
-step-trace-<device>.json to --out.
+step-trace-<device>.json to --out, and with --raw every record's times and marks (.npz, one per
+program) for questions the sums do not answer.
 """
 
 from __future__ import annotations
