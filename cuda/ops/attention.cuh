@@ -809,7 +809,7 @@ __device__ __forceinline__ void gpuos_attention_decode(const GpuosTask* t) {
   __syncthreads();
   GPUOS_MARK(0);
   if (sh.plan.fast) gpuos_attn_warm(t, sh.plan);
-  GPUOS_MARK(6);
+  GPUOS_MARK(6); /* the warm-up issued, before the wait */
   gpuos_await(t);
   /* Few versions of the loops: dims per lane rounded up to a power of two. */
   const int d = sh.plan.d;

@@ -281,7 +281,8 @@ __device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const G
       for (int k = it.k0; k < it.k1; ++k, xp += xstep, wp += wstep)
         sum += gpuos_load_ptr(xp, x.dtype) * gpuos_load_ptr(wp, w.dtype);
       if (p.splits == 1) {
-        gpuos_linear_final<false>(t, p, GPUOS_LINEAR_BM * it.mb + r, n, sum + gpuos_linear_bias(t, p, n));
+        const float v = sum + gpuos_linear_bias(t, p, n);
+        gpuos_linear_final<false>(t, p, GPUOS_LINEAR_BM * it.mb + r, n, v);
       } else {
         gpuos_linear_part(t, p, it, it.s)[r * GPUOS_LINEAR_BN + c] = sum;
       }
