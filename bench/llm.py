@@ -61,8 +61,6 @@ from serving.llm.forward import TorchOps, forward
 from serving.llm.model import (
     TINY,
     ModelConfig,
-    Norm,
-    normalize,
     parse_config,
     random_weights,
     rotary_cos_sin,
@@ -239,10 +237,9 @@ class LoopOps(TorchOps):
         )
         return out.transpose(1, 2).reshape(r * t, c.heads, c.head_dim)
 
-    def logits(self, x: torch.Tensor, norm: Norm, head: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         # each stream's last row; argmax needs no fp32 copy
-        last = x.view(self.streams, self.count, -1)[:, -1]
-        return F.linear(normalize(last, norm, self.config.norm_eps), head)
+        return F.linear(h.view(self.streams, self.count, -1)[:, -1], head)
 
 
 @dataclass

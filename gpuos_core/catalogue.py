@@ -195,8 +195,7 @@ def _builtin() -> dict[str, OpSpec]:
         _fixed("scatter_rows", "scatter_rows", 2, 2),
         _fixed("gather_rows", "gather_rows", 2, 2),  # embedding lookups
         _fixed("sample_tokens", "sample_tokens", 3, 3),
-        _fixed("linear", "linear", 5, 2, P("eps", 1e-5)),  # [norm(x)] @ weight.T [+ bias]
-        _fixed("linear_residual", "linear_residual", 3, 2),  # out += x @ weight.T [+ bias]
+        _fixed("linear", "linear", 3, 2),  # x @ weight.T [+ bias]
         _fixed("feed_tokens", "feed_tokens", 4, 4),  # the LLM engine's chained steps
         _fixed("tick", "tick", 1, 1),
     ]

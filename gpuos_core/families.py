@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from .abi import MAX_DIMS, TASK_EARLY
 from .calls import LaidOut, Params
@@ -634,7 +633,6 @@ LINEAR_ITEM_COST = 4  # what starting an item costs, in steps of one tile (plan'
 # at 64 rows, against ~0.1-0.4 us a step).
 LINEAR_SPLIT_COST = 16
 DEFAULT_SMS = 132  # multiprocessors assumed off a GPU (an H100 or H200), so plans agree
-LINEAR_NORM_MAX_K = 4096  # a fused norm's rows at most (its gamma sits in shared memory)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -698,12 +696,9 @@ class LinearPlan:
         return self.counters + self.splits * self.tiles * self.prows * LINEAR_COLS
 
     @classmethod
-    def choose(cls, m: int, n: int, k: int, sms: int, split: bool = True) -> LinearPlan:
+    def choose(cls, m: int, n: int, k: int, sms: int) -> LinearPlan:
         """The split of K that should finish soonest on `sms` multiprocessors (a block each): enough
-        items to occupy them, against the cost of writing and summing partials. Unsplit unless
-        `split`."""
-        if not split:
-            return cls(m, n, k, 1)
+        items to occupy them, against the cost of writing and summing partials."""
         steps = _ceil_div(k, LINEAR_KSTEP)
         plans = [cls(m, n, k, s) for s in range(1, min(steps, LINEAR_MAX_SPLITS) + 1)]
         valid = [p for p in plans if p.splits == 1 or _ceil_div(steps, p.kch) == p.splits]
@@ -742,19 +737,14 @@ class LinearPlan:
 
 class LinearFamily(Family):
     """out = x W^T (+ bias) over x's last dim: torch.nn.functional.linear with Hugging Face's
-    weights [out_features, in_features] (the bias may be an empty tensor: none). With input 3, the
-    rows of x first go through RMSNorm with that weight, with inputs 3 and 4 through LayerNorm with
-    that weight and bias (eps: scalar 0), fused into the product. The layout picks a LinearPlan
-    (K unsplit with a norm) and encodes input 2 (the bias, empty when there is none; with a norm,
-    the norm block of cuda/ops/linear.cuh instead) and 3 (the split-K workspace); items are the
-    plan's tiles."""
+    weights [out_features, in_features]. The layout picks a LinearPlan and adds inputs 2 (the bias,
+    empty when there is none) and 3 (the split-K workspace); items are the plan's tiles."""
 
     name, header, macro = "linear", "ops/linear.cuh", "GPUOS_DEFINE_LINEAR"
     flags = TASK_EARLY  # its records warm their weights into L2 while their x is produced
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
-        x, w, norm = inputs[0], inputs[1], tuple(inputs[3:])
-        bias = inputs[2] if len(inputs) > 2 and inputs[2].numel() else None
+        x, w, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
         _check_ndim(x.shape, "linear input 0 (x)", least=1)
         if w.dim() != 2 or w.shape[1] != x.shape[-1]:
             raise TensorSpecError(
@@ -764,48 +754,23 @@ class LinearFamily(Family):
         if bias is not None and tuple(bias.shape) != (w.shape[0],):
             raise TensorSpecError(
                 f"linear: input 2 (bias) must have shape ({w.shape[0]},) "
-                f"(out_features) or be empty (none), got {tuple(bias.shape)}"
+                f"(out_features), got {tuple(bias.shape)}"
             )
         if len({t.dtype for t in inputs}) > 1:
             raise TensorSpecError(
-                f"linear: x, weight, bias and norm weights must share one dtype, got "
+                f"linear: x, weight and bias must share one dtype, got "
                 f"{', '.join(str(t.dtype) for t in inputs)}"
             )
-        k = x.shape[-1]
-        for i, t in enumerate(norm, start=3):
-            if tuple(t.shape) != (k,):
-                raise TensorSpecError(
-                    f"linear: input {i} (the norm's {'weight' if i == 3 else 'bias'}) must have "
-                    f"shape ({k},) (in_features), got {tuple(t.shape)}"
-                )
-        if norm and k > LINEAR_NORM_MAX_K:
-            raise TensorSpecError(
-                f"linear: a fused norm takes rows of at most {LINEAR_NORM_MAX_K} "
-                f"(in_features), got {k}; apply the norm as its own operator"
-            )
-        rows, sms = _rows(x.shape), _sm_count(x.device)
-        plan = LinearPlan.choose(rows, w.shape[0], k, sms, split=not norm)
+        plan = LinearPlan.choose(_rows(x.shape), w.shape[0], x.shape[-1], _sm_count(x.device))
         workspace = torch.empty(plan.workspace_words, dtype=torch.int32, device=x.device)
         workspace[: plan.counters].zero_()  # partials are written before they are read
-        carried = (
-            norm_block(w, bias, *norm) if norm else bias if bias is not None else x.new_empty(0)
-        )
+        views = (x, w, bias if bias is not None else x.new_empty(0), workspace)
         shape = tuple(x.shape[:-1]) + (w.shape[0],)
-        return Layout((x, w, carried, workspace), shape, shape, plan.items)
+        return Layout(views, shape, shape, plan.items)
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
-        """Over the caller's inputs or the encoded ones (input 2 the norm block then)."""
-        x, w = xs[0], xs[1]
-        carried = xs[2] if len(xs) > 2 and xs[2].numel() else None
-        if carried is not None and carried.dtype == torch.int32:
-            return _normed_product(x, w, carried.view(torch.float32), p.scalars[0])
-        if len(xs) > 3 and xs[3].is_floating_point():  # the caller's norm weight (and bias)
-            beta = xs[4] if len(xs) > 4 else None
-            if beta is None:
-                x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + p.scalars[0]) * xs[3]
-            else:
-                x = F.layer_norm(x, (x.shape[-1],), xs[3], beta, p.scalars[0])
-        return F.linear(x, w, carried)
+        bias = xs[2] if len(xs) > 2 and xs[2].numel() else None
+        return torch.nn.functional.linear(xs[0], xs[1], bias)
 
     def execute(
         self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
@@ -814,15 +779,10 @@ class LinearFamily(Family):
         owned = plan.owned_tiles(begin, end)
         if not owned.any():
             return
-        floats = [t.float() if t.is_floating_point() else t for t in xs[:3]]
-        value = self.outputs(out, LinearFamily.compute(self, floats, p, expr))
+        value = self.compute([t.float() for t in xs[:3]], p, expr)
         rows = owned.repeat_interleave(LINEAR_ROWS, 0)[: plan.m]
         mask = rows.repeat_interleave(LINEAR_COLS, 1)[:, : plan.n].reshape(out.shape)
         out[mask] = value[mask].to(out.dtype)
-
-    def outputs(self, out: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
-        """What out becomes from the product (fp32, out's shape)."""
-        return product
 
     def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
         """At most one record per multiprocessor, of neighbouring items (a record streams its
@@ -832,75 +792,6 @@ class LinearFamily(Family):
         records = max(1, min(task.items, _sm_count(task.inputs[0].device)))
         bounds = [r * task.items // records for r in range(records + 1)]
         return list(zip(bounds[:-1], bounds[1:]))
-
-
-class LinearResidualFamily(LinearFamily):
-    """out += x W^T (+ bias): a linear that adds into the caller's `out` in place (the residual
-    stream of a transformer block), each output read by the thread that writes it. No norm."""
-
-    name, macro = "linear_residual", "GPUOS_DEFINE_LINEAR_RESIDUAL"
-    updates_out = True
-    internal = True
-
-    def fit_out(self, lay: Layout, out: torch.Tensor | None) -> Layout:
-        if out is None:
-            raise TensorSpecError(
-                "linear_residual adds into the tensor given as out= (the residual it updates "
-                "in place): pass one"
-            )
-        return lay
-
-    def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
-        *inputs, out = xs  # the reference takes the out it updates as a last input
-        return self.outputs(out, super().compute(inputs, p, expr))
-
-    def outputs(self, out: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
-        return out.float() + product
-
-
-def norm_block(
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    gamma: torch.Tensor,
-    beta: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The norm block of a linear whose rows of x are normalized first (cuda/ops/linear.cuh), as
-    int32 words: fp32 gamma padded to a multiple of 4, cb = bias + W beta, then for LayerNorm
-    (beta given) cg = W gamma."""
-    n, k = w.shape
-    cb = torch.zeros(n, dtype=torch.float32, device=w.device)
-    if bias is not None:
-        cb += bias.float()
-    if beta is not None:
-        cb += _matvec(w, beta.float())
-    parts = [F.pad(gamma.float(), (0, -k % 4)), cb]
-    if beta is not None:
-        parts.append(_matvec(w, gamma.float()))
-    return torch.cat(parts).view(torch.int32)
-
-
-def _matvec(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """W v in fp32, some rows of W at a time (an LM head in fp32 at once would take GBs)."""
-    out = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-    step = max(1, (1 << 24) // max(1, w.shape[1]))
-    for i in range(0, w.shape[0], step):
-        out[i : i + step] = w[i : i + step].float() @ v
-    return out
-
-
-def _normed_product(
-    x: torch.Tensor, w: torch.Tensor, block: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """What the device computes for a linear with a norm block (fp32 `block`): r (x gamma) W^T
-    - r mean cg + cb per row."""
-    n, k = w.shape
-    at = k + -k % 4
-    gamma, cb = block[:k], block[at : at + n]
-    var, mean = torch.var_mean(x, -1, unbiased=False, keepdim=True)
-    if block.numel() - at < 2 * n:  # RMSNorm
-        return F.linear(x * gamma, w) * torch.rsqrt(var + mean.square() + eps) + cb
-    r = torch.rsqrt(var + eps)
-    return F.linear(x * gamma, w) * r - (r * mean) * block[at + n : at + 2 * n] + cb
 
 
 # The cut of cuda/ops/attention.cuh (its GPUOS_ATTN_* constants; tests/unit/test_attention.py
@@ -1044,7 +935,6 @@ _FAMILIES: tuple[Family, ...] = (
     GatherRowsFamily(),
     SampleFamily(),
     LinearFamily(),
-    LinearResidualFamily(),
     FeedTokensFamily(),
     TickFamily(),
 )

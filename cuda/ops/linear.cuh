@@ -3,14 +3,7 @@
  * Contract (host encoding: gpuos_core/families.py, LinearFamily and LinearPlan):
  *   in[0] = x [..., K]: M rows, numbered row-major over its leading dims;
  *   in[1] = W [N, K], Hugging Face's layout (one row per output);
- *   in[2] = bias [N], or an empty tensor for none; x, W and bias share one float dtype; or, where
- *           x's rows are normalized first, the norm block: int32 words read as fp32, gamma [K]
- *           padded to a multiple of 4, then cb [N] = bias + W beta, then for LayerNorm (not
- *           RMSNorm) cg [N] = W gamma; scalars[0] = eps. Each row's output is then
- *           r (x * gamma) W^T - r mean cg + cb, with r = 1 / sqrt(var + eps) (RMSNorm:
- *           1 / sqrt(mean(x^2) + eps) and no mean term): the norm applied through the product,
- *           x * gamma formed as a stage lands, the row's sums gathered from the same stage.
- *           K <= GPUOS_LINEAR_NORM_MAX_K and S = 1 there;
+ *   in[2] = bias [N], or an empty tensor for none; x, W and bias share one float dtype;
  *   in[3] = workspace, int32: empty when K is not split (S = 1), else T arrival counters (zero
  *           between tasks: the last arrival resets its counter), padded to a multiple of 4
  *           words, then S * T partial blocks of P x 64 fp32, T = MB * NT tiles;
@@ -26,10 +19,6 @@
  * one to the tile's counter (gpuos_count_in: wraps at S, so the counter is back to zero after the
  * last); the block that sees S - 1 sums the S blocks in split order, adds the bias and writes
  * out. A task must not run concurrently with itself (a second run would share counters).
- *
- * Accumulating (GPUOS_DEFINE_LINEAR_RESIDUAL, no norm): out += x W^T (+ bias), out read by the
- * thread that writes it (a residual stream updated in place): the unsplit items start their
- * accumulators from it, the combine adds it.
  *
  * Tensor-core path (fp16/bf16, K > 0 and K % 8 == 0, 16-byte aligned rows of x and W, rows of x
  * and of out one stride apart, blockDim >= 256, GPUOS_LINEAR_SMEM bytes of dynamic shared memory):
@@ -60,7 +49,6 @@
 #define GPUOS_LINEAR_STEP_ALIGN 8   /* a split's steps come in multiples of this */
 #define GPUOS_LINEAR_PART_ROWS 16   /* partial blocks have rows rounded up to this */
 #define GPUOS_LINEAR_MMA_THREADS (GPUOS_LINEAR_WARPS * GPUOS_WARP)
-#define GPUOS_LINEAR_NORM_MAX_K 4096 /* gamma of a fused norm sits in shared memory */
 /* Dynamic shared memory the tensor-core path's pipeline takes. */
 #define GPUOS_LINEAR_SMEM GPUOS_DYNAMIC_SMEM
 
@@ -71,47 +59,8 @@ struct GpuosLinearPlan {
   int splits, kch;      /* K splits and steps per split */
   int prows;            /* rows of a partial block */
   int64_t xrs, ors;     /* elements between rows of x and of out, -1 when no one stride serves */
-  int norm;             /* rows of x normalized first: 0 no, 1 LayerNorm, 2 RMSNorm (in[2]) */
-  float eps;            /* the norm's */
   bool fast;            /* the tensor-core path applies */
 };
-
-/* What the operator keeps in static shared memory: the plan, the combine's flag, a fused norm's
- * (r, r mean) of each row, and a buffer: the plain operator's fused norm's gamma (fp32, zeros
- * past K), or the accumulating operator's tile of out (gpuos_linear_stage_old). */
-struct GpuosLinearShared {
-  GpuosLinearPlan plan;
-  int last;
-  float2 rows[GPUOS_LINEAR_BM];
-  float* gamma;
-  unsigned short* old;
-};
-
-/* Whether an accumulating item's tile of out can come through shared memory, 16 bytes at a time:
- * out as x's half dtype, unit-stride rows 16-byte aligned, N in whole chunks. */
-__device__ __forceinline__ bool gpuos_linear_stage_old(const GpuosTask* t,
-                                                       const GpuosLinearPlan& p) {
-  const GpuosTensorRef& o = t->out;
-  return o.dtype == t->in[0].dtype && o.strides[o.ndim - 1] == 1 && p.ors >= 0 && p.ors % 8 == 0 &&
-         (o.data & 15u) == 0 && p.n % 8 == 0;
-}
-
-/* The norm block's fp32 vectors (see the header): 0 gamma, 1 cb, 2 cg. */
-__device__ __forceinline__ const float* gpuos_linear_norm_vec(const GpuosTask* t,
-                                                              const GpuosLinearPlan& p, int which) {
-  const float* block = reinterpret_cast<const float*>(t->in[2].data);
-  return which == 0 ? block : block + ((p.k + 3) & ~3) + (which - 1) * p.n;
-}
-
-/* (r, r mean) of a row from its sum and sum of squares over K (fp32: a row whose mean is
- * thousands of times its spread loses precision, which the norms' own two passes do not): what
- * its products are scaled and shifted by. */
-__device__ __forceinline__ float2 gpuos_linear_row_scale(const GpuosLinearPlan& p, float2 sums) {
-  const float mean = sums.x / p.k, square = sums.y / p.k;
-  if (p.norm == 2) return make_float2(rsqrtf(square + p.eps), 0.0f);
-  const float r = rsqrtf(fmaxf(square - mean * mean, 0.0f) + p.eps);
-  return make_float2(r, r * mean);
-}
 
 /* Words of the workspace's counters for `tiles` tiles: rounded up so that the partial blocks
  * after them are 16-byte aligned. */
@@ -172,9 +121,6 @@ __device__ __forceinline__ GpuosLinearPlan gpuos_linear_plan(const GpuosTask* t)
   p.kch = (per_split + GPUOS_LINEAR_STEP_ALIGN - 1) & -GPUOS_LINEAR_STEP_ALIGN;
   p.xrs = gpuos_linear_row_stride(x);
   p.ors = gpuos_linear_row_stride(t->out);
-  const GpuosTensorRef& nb = t->in[2]; /* a bias is a float tensor, the norm block int32 */
-  p.norm = nb.dtype != GPUOS_DTYPE_I32 ? 0 : (nb.numel - ((p.k + 3) & ~3) >= 2 * p.n ? 1 : 2);
-  p.eps = t->scalars[0];
   p.fast = gpuos_linear_fast(t, p);
   return p;
 }
@@ -196,29 +142,13 @@ __device__ __forceinline__ GpuosLinearItem gpuos_linear_item(const GpuosLinearPl
 
 /* ---- outputs: final values and the split-K combine ------------------------------------------ */
 
-/* Bias of output n (`norm`: the task has a fused norm, whose cb it is), 0 without one or past the
- * outputs. Callers load it ahead of the stores that use it: a load behind a store waits for that
- * store's issue (in order), so one load per store made every store a round trip to L2. */
+/* Bias of output n: 0 without a bias or past the outputs. Callers load it ahead of the stores
+ * that use it: a load behind a store waits for that store's issue (in order), so one load per
+ * store made every store a round trip to L2. */
 __device__ __forceinline__ float gpuos_linear_bias(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                   int n, bool norm) {
+                                                   int n) {
   const GpuosTensorRef& b = t->in[2];
-  if (n >= p.n) return 0.0f;
-  if (norm) return gpuos_linear_norm_vec(t, p, 1)[n];
-  return b.numel != 0 ? gpuos_load(b, n * b.strides[0]) : 0.0f;
-}
-
-/* What output n's products are shifted by per unit of a row's r mean: cg with LayerNorm, else 0. */
-__device__ __forceinline__ float gpuos_linear_shift(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                    int n) {
-  return p.norm == 1 && n < p.n ? gpuos_linear_norm_vec(t, p, 2)[n] : 0.0f;
-}
-
-/* out[m][n] as it is (accumulating operators add to it). */
-__device__ __forceinline__ float gpuos_linear_old(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                  int m, int n) {
-  const GpuosTensorRef& o = t->out;
-  const int64_t at = p.ors >= 0 ? m * p.ors + n * o.strides[o.ndim - 1] : gpuos_row_offset(o, m, n);
-  return gpuos_load(o, at);
+  return b.numel != 0 && n < p.n ? gpuos_load(b, n * b.strides[0]) : 0.0f;
 }
 
 /* out[m][n] = v (the bias already added). UNIFORM: rows of out are p.ors apart (the tensor-core
@@ -240,8 +170,8 @@ __device__ __forceinline__ float* gpuos_linear_part(const GpuosTask* t, const Gp
 
 /* The tile's outputs from its S partial blocks, summed in split order, by all threads in groups
  * of 4 outputs (quads): a thread takes C quads at a time with U splits of each, all C U loads in
- * flight together and its quads' biases (ACC: and old values) with them. */
-template <bool UNIFORM, bool ACC, int C, int U>
+ * flight together and its quads' biases with them. */
+template <bool UNIFORM, int C, int U>
 __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
                                                            const GpuosLinearPlan& p,
                                                            const GpuosLinearItem& it) {
@@ -255,13 +185,9 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
     float4 sum[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      const int i = i0 + c * blockDim.x, m = GPUOS_LINEAR_BM * it.mb + i / QUADS;
-      const int n = GPUOS_LINEAR_BN * it.nt + 4 * (i % QUADS);
+      const int n = GPUOS_LINEAR_BN * it.nt + 4 * ((i0 + c * blockDim.x) % QUADS);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        bias[c][e] = gpuos_linear_bias(t, p, n + e, false); /* a fused norm leaves K unsplit */
-        if (ACC && i < quads && n + e < p.n) bias[c][e] += gpuos_linear_old(t, p, m, n + e);
-      }
+      for (int e = 0; e < 4; ++e) bias[c][e] = gpuos_linear_bias(t, p, n + e);
       sum[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     GPUOS_ROLLED
@@ -304,13 +230,13 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
  * of 2 quads (at 64 rows, 4 quads a thread: two rounds of loads instead of four). WIDE: an
  * m-block may have more quads than the block threads (more than 16 rows); else the one-quad
  * version alone is compiled, which spares the small-M paths its registers. */
-template <bool UNIFORM, bool WIDE, bool ACC>
+template <bool UNIFORM, bool WIDE>
 __device__ __forceinline__ void gpuos_linear_combine(const GpuosTask* t, const GpuosLinearPlan& p,
                                                      const GpuosLinearItem& it) {
   if (WIDE && it.rows * (GPUOS_LINEAR_BN / 4) > static_cast<int>(blockDim.x)) {
-    gpuos_linear_combine_quads<UNIFORM, ACC, 2, 4>(t, p, it);
+    gpuos_linear_combine_quads<UNIFORM, 2, 4>(t, p, it);
   } else {
-    gpuos_linear_combine_quads<UNIFORM, ACC, 1, 8>(t, p, it);
+    gpuos_linear_combine_quads<UNIFORM, 1, 8>(t, p, it);
   }
 }
 
@@ -318,7 +244,7 @@ __device__ __forceinline__ void gpuos_linear_combine(const GpuosTask* t, const G
  * block that completes the tile, combine it. All threads call; `last` is shared scratch (read
  * here before any thread can pass the next call's first barrier, where it is rewritten). WIDE as
  * in gpuos_linear_combine. */
-template <bool UNIFORM, bool WIDE, bool ACC>
+template <bool UNIFORM, bool WIDE>
 __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const GpuosLinearPlan& p,
                                                     const GpuosLinearItem& it, int* last) {
   if (p.splits == 1) return;
@@ -330,14 +256,13 @@ __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const Gp
   __syncthreads();
   GPUOS_MARK(4);
   if (*last) {
-    gpuos_linear_combine<UNIFORM, WIDE, ACC>(t, p, it);
+    gpuos_linear_combine<UNIFORM, WIDE>(t, p, it);
     GPUOS_MARK(5);
   }
 }
 
 /* ---- the CUDA-core path --------------------------------------------------------------------- */
 
-template <bool ACC>
 __device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const GpuosLinearPlan& p,
                                                      int* last) {
   const GpuosTensorRef &x = t->in[0], &w = t->in[1];
@@ -351,29 +276,18 @@ __device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const G
       const char* xp = gpuos_ptr(x, gpuos_row_offset(x, GPUOS_LINEAR_BM * it.mb + r, it.k0));
       const char* wp = gpuos_ptr(w, n * w.strides[0] + it.k0 * w.strides[1]);
       const int64_t xstep = gpuos_step(x, x.ndim - 1), wstep = gpuos_step(w, 1);
-      const float* gamma = gpuos_linear_norm_vec(t, p, 0); /* read with a fused norm only */
-      const int m = GPUOS_LINEAR_BM * it.mb + r;
       float sum = 0.0f;
-      float2 row = make_float2(0.0f, 0.0f); /* sum and sum of squares of x's row */
       GPUOS_ROLLED
-      for (int k = it.k0; k < it.k1; ++k, xp += xstep, wp += wstep) {
-        const float xv = gpuos_load_ptr(xp, x.dtype);
-        row.x += xv, row.y += xv * xv;
-        sum += (p.norm ? xv * gamma[k] : xv) * gpuos_load_ptr(wp, w.dtype);
-      }
-      if (p.norm) { /* unsplit: the row's sums are whole */
-        const float2 scale = gpuos_linear_row_scale(p, row);
-        sum = scale.x * sum - scale.y * gpuos_linear_shift(t, p, n);
-      }
+      for (int k = it.k0; k < it.k1; ++k, xp += xstep, wp += wstep)
+        sum += gpuos_load_ptr(xp, x.dtype) * gpuos_load_ptr(wp, w.dtype);
       if (p.splits == 1) {
-        const float old = ACC ? gpuos_linear_old(t, p, m, n) : 0.0f;
-        const float v = sum + gpuos_linear_bias(t, p, n, p.norm != 0) + old;
-        gpuos_linear_final<false>(t, p, m, n, v);
+        const float v = sum + gpuos_linear_bias(t, p, n);
+        gpuos_linear_final<false>(t, p, GPUOS_LINEAR_BM * it.mb + r, n, v);
       } else {
         gpuos_linear_part(t, p, it, it.s)[r * GPUOS_LINEAR_BN + c] = sum;
       }
     }
-    gpuos_linear_arrive<false, true, ACC>(t, p, it, last);
+    gpuos_linear_arrive<false, true>(t, p, it, last);
   }
 }
 
@@ -545,104 +459,13 @@ __device__ __forceinline__ void gpuos_linear_issue(const GpuosTask* t, const Gpu
   }
 }
 
-/* ---- a fused norm on the tensor-core path --------------------------------------------------- */
-
-/* Copy gamma (fp32, from the norm block) into `gamma`, zeros past K up to the last pad step. */
-__device__ __forceinline__ void gpuos_linear_issue_gamma(const GpuosTask* t,
-                                                         const GpuosLinearPlan& p, float* gamma) {
-  constexpr int SPAN = GPUOS_LINEAR_STEP_ALIGN * GPUOS_LINEAR_KSTEP; /* k of an item's padding */
-  const float* src = gpuos_linear_norm_vec(t, p, 0);
-  const int chunks = (p.k + SPAN - 1) / SPAN * SPAN / 4;
-  for (int c = threadIdx.x; c < chunks; c += blockDim.x)
-    gpuos_cp_async16(gpuos_smem_address(gamma + 4 * c), 4 * c < p.k ? src + 4 * c : src,
-                     4 * c < p.k ? 16 : 0);
-}
-
-/* An accumulating item's tile of out into `tile` (rows of GPUOS_LINEAR_BN halves), 16 bytes a
- * copy (gpuos_linear_stage_old holds); the caller commits. */
-__device__ __forceinline__ void gpuos_linear_issue_old(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                       const GpuosLinearItem& it,
-                                                       unsigned short* tile) {
-  constexpr int CHUNKS = GPUOS_LINEAR_BN / 8;
-  const unsigned short* o = reinterpret_cast<const unsigned short*>(t->out.data) +
-                            GPUOS_LINEAR_BM * it.mb * p.ors + GPUOS_LINEAR_BN * it.nt;
-  for (int c = threadIdx.x; c < it.rows * CHUNKS; c += blockDim.x) {
-    const int row = c / CHUNKS, n = 8 * (c % CHUNKS), in = GPUOS_LINEAR_BN * it.nt + n < p.n;
-    gpuos_cp_async16(gpuos_smem_address(tile + row * GPUOS_LINEAR_BN + n),
-                     in ? o + row * p.ors + n : o, in ? 16 : 0);
-  }
-}
-
-/* Chunks of a stage's x a thread takes at most (blockDim >= GPUOS_LINEAR_MMA_THREADS). */
-template <int R>
-__device__ constexpr int gpuos_linear_norm_slots() {
-  return (R * GpuosLinearPipe<R>::CHUNKS + GPUOS_LINEAR_MMA_THREADS - 1) / GPUOS_LINEAR_MMA_THREADS;
-}
-
-/* A landed stage of x (at shared address `xs`, elements k on) times gamma, in place, its rows'
- * values added to this thread's sums (slot u: its chunk threadIdx.x + u blockDim.x; x: values,
- * y: squares). Chunks past K hold zeros, which add nothing. */
-template <int R, bool BF16, int SLOTS = gpuos_linear_norm_slots<R>()>
-__device__ __forceinline__ void gpuos_linear_norm_stage(unsigned int xs, const float* gamma, int k,
-                                                        int rows, float2 (&sums)[SLOTS]) {
-  using Pipe = GpuosLinearPipe<R>;
-#pragma unroll
-  for (int u = 0; u < SLOTS; ++u) {
-    const int c = threadIdx.x + u * blockDim.x, row = c / Pipe::CHUNKS, ch = c % Pipe::CHUNKS;
-    if (row >= rows) continue;
-    const unsigned int at = xs + Pipe::offset(row, ch);
-    const uint4 raw = gpuos_lds16(at);
-    const float4 g0 = *reinterpret_cast<const float4*>(gamma + k + 8 * ch);
-    const float4 g1 = *reinterpret_cast<const float4*>(gamma + k + 8 * ch + 4);
-    const unsigned int in[4] = {raw.x, raw.y, raw.z, raw.w};
-    const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-    unsigned int out[4];
-#pragma unroll
-    for (int e = 0; e < 8; e += 2) {
-      const unsigned short lo = static_cast<unsigned short>(in[e / 2]);
-      const unsigned short hi = static_cast<unsigned short>(in[e / 2] >> 16);
-      const float a = BF16 ? gpuos_bf16_to_f32(lo) : gpuos_f16_to_f32(lo);
-      const float b = BF16 ? gpuos_bf16_to_f32(hi) : gpuos_f16_to_f32(hi);
-      sums[u].x += a + b;
-      sums[u].y += a * a + b * b;
-      const unsigned int ya = BF16 ? gpuos_f32_to_bf16(a * g[e]) : gpuos_f32_to_f16(a * g[e]);
-      const float bg = b * g[e + 1];
-      const unsigned int yb = BF16 ? gpuos_f32_to_bf16(bg) : gpuos_f32_to_f16(bg);
-      out[e / 2] = ya | yb << 16;
-    }
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(out[0]), "r"(out[1]),
-                 "r"(out[2]), "r"(out[3])
-                 : "memory");
-  }
-}
-
-/* Each row's (r, r mean) into `scale` from the sums its chunks' threads gathered (a row's
- * CHUNKS threads are neighbours in one warp); resets the sums. All threads call; the caller's
- * barrier publishes `scale`. */
-template <int R, int SLOTS = gpuos_linear_norm_slots<R>()>
-__device__ __forceinline__ void gpuos_linear_norm_rows(const GpuosLinearPlan& p, int rows,
-                                                       float2 (&sums)[SLOTS], float2* scale) {
-  constexpr int CHUNKS = GpuosLinearPipe<R>::CHUNKS;
-#pragma unroll
-  for (int u = 0; u < SLOTS; ++u) {
-#pragma unroll
-    for (int lanes = CHUNKS / 2; lanes > 0; lanes /= 2) {
-      sums[u].x += __shfl_xor_sync(0xffffffffu, sums[u].x, lanes);
-      sums[u].y += __shfl_xor_sync(0xffffffffu, sums[u].y, lanes);
-    }
-    const int c = threadIdx.x + u * blockDim.x, row = c / CHUNKS;
-    if (c % CHUNKS == 0 && row < rows) scale[row] = gpuos_linear_row_scale(p, sums[u]);
-    sums[u] = make_float2(0.0f, 0.0f);
-  }
-}
-
 /* The items of the record on tensor cores. W's first NS - 1 stages are issued before the wait
  * for x where W is settled (gpuos_settled: no producer in the program writes it), so a record
  * whose weights fit in them has them in shared memory when x is ready. Warps past
  * GPUOS_LINEAR_WARPS (blocks over 256 threads) copy and keep the barriers, nothing else. */
-template <int R, bool BF16, bool ACC, bool NORM>
+template <int R, bool BF16>
 __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                 GpuosLinearShared& sh) {
+                                                 int* last) {
   using Pipe = GpuosLinearPipe<R>;
   /* The warps over the tile: WM along its rows of x, WN along its outputs. At 64 rows a 2 x 4
    * grid, each warp 32 rows x 16 outputs: 6 shared loads for 8 products a step, where 8 warps
@@ -674,23 +497,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
 #pragma unroll
   for (int s = 0; s < NS - 1; ++s, fill.next(t, p, KC)) {
     gpuos_linear_issue<R>(t, p, base + s * Pipe::BYTES, fill, !early, true);
-    if (NORM && s == 0) gpuos_linear_issue_gamma(t, p, sh.gamma); /* lands with stage 0 */
     gpuos_cp_async_commit();
-  }
-  /* A fused norm transforms each stage one stage ahead of the products (the barrier that opens
-   * a stage's products then also covers its transform): `ahead` is the next stage to transform,
-   * stage 0 here. `sums`: this thread's rows' sums in the current item, `next`: the next item's
-   * (its first stage is transformed during the current item's last). */
-  constexpr int SLOTS = gpuos_linear_norm_slots<R>();
-  GpuosLinearStage ahead = GpuosLinearStage::at(t, p, begin, KC);
-  float2 sums[SLOTS], next[SLOTS];
-#pragma unroll
-  for (int u = 0; u < SLOTS; ++u) sums[u] = next[u] = make_float2(0.0f, 0.0f);
-  if (NORM) {
-    gpuos_cp_async_wait<NS - 2>();
-    __syncthreads();
-    gpuos_linear_norm_stage<R, BF16>(base + Pipe::W_BYTES, sh.gamma, ahead.k, ahead.rows, sums);
-    ahead.next(t, p, KC);
   }
 
   /* This lane's 16 bytes in a stage: W rows wrow (+ 8 f) and x rows xrow (+ 8, + 16 a), chunk
@@ -700,23 +507,16 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
   const unsigned int xeven = Pipe::W_BYTES + Pipe::offset(xrow, q);
   const unsigned int xodd = Pipe::W_BYTES + Pipe::offset(xrow, 4 + q) - 64;
   int consume = 0; /* buffer read next */
-  /* accumulating: each item's tile of out comes with its first refill, where it can */
-  const bool staged = ACC && p.splits == 1 && gpuos_linear_stage_old(t, p);
   GPUOS_ROLLED
   for (int i = begin; i < end; ++i) {
     const GpuosLinearItem it = gpuos_linear_item(p, i);
-    /* of this lane's outputs, K unsplit (the combine adds them otherwise): bias, and with a
-     * fused norm the shift */
-    float bias[NW][2], shift[NW][2];
+    float bias[NW][2]; /* of this lane's outputs (K unsplit: the combine adds it otherwise) */
 #pragma unroll
     for (int f = 0; f < NW; ++f) {
       const int n = GPUOS_LINEAR_BN * it.nt + 8 * (NW * wn + f) + 2 * q;
-      bias[f][0] = p.splits == 1 ? gpuos_linear_bias(t, p, n, NORM) : 0.0f;
-      bias[f][1] = p.splits == 1 ? gpuos_linear_bias(t, p, n + 1, NORM) : 0.0f;
-      shift[f][0] = NORM ? gpuos_linear_shift(t, p, n) : 0.0f;
-      shift[f][1] = NORM ? gpuos_linear_shift(t, p, n + 1) : 0.0f;
+      bias[f][0] = p.splits == 1 ? gpuos_linear_bias(t, p, n) : 0.0f;
+      bias[f][1] = p.splits == 1 ? gpuos_linear_bias(t, p, n + 1) : 0.0f;
     }
-    /* acc[a][f][2 h + e]: row 16 (TM wm + a) + g + 8 h of x, output 8 (NW wn + f) + 2 q + e */
     float acc[TM][NW][4];
 #pragma unroll
     for (int a = 0; a < TM; ++a) {
@@ -728,38 +528,17 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
     }
     GPUOS_ROLLED
     for (int j0 = 0; j0 < it.steps; j0 += Pipe::STEPS) {
-      /* this stage's group is in (at most the NS - 2 younger ones pending; with a fused norm the
-       * next stage's too) and every thread is done with the buffer read last, which takes stage
-       * n + NS - 1 */
-      if (NORM) {
-        gpuos_cp_async_wait<NS - 3>();
-      } else {
-        gpuos_cp_async_wait<NS - 2>();
-      }
+      /* this stage's group is in (at most the NS - 2 younger ones pending) and every thread is
+       * done with the buffer read last, which takes stage n + NS - 1 */
+      gpuos_cp_async_wait<NS - 2>();
       __syncthreads();
       const int refill = consume == 0 ? NS - 1 : consume - 1;
       gpuos_linear_issue<R>(t, p, base + refill * Pipe::BYTES, fill, true, true);
-      if (staged && j0 == 0) gpuos_linear_issue_old(t, p, it, sh.old); /* every thread is done
-                                                                         * with the last item's */
       gpuos_cp_async_commit();
       fill.next(t, p, KC);
       if (i == begin && j0 == 0) GPUOS_MARK(2); /* the record's first stage is in */
       const unsigned int stage = base + consume * Pipe::BYTES;
       consume = consume == NS - 1 ? 0 : consume + 1;
-      if (NORM) { /* the next stage's x times gamma, in place, while this one's products run */
-        float2 got[SLOTS];
-#pragma unroll
-        for (int u = 0; u < SLOTS; ++u) got[u] = make_float2(0.0f, 0.0f);
-        const unsigned int x = base + consume * Pipe::BYTES + Pipe::W_BYTES;
-        gpuos_linear_norm_stage<R, BF16>(x, sh.gamma, ahead.k, ahead.rows, got);
-        const bool same = ahead.item == i;
-#pragma unroll
-        for (int u = 0; u < SLOTS; ++u) {
-          sums[u].x += same ? got[u].x : 0.0f, sums[u].y += same ? got[u].y : 0.0f;
-          next[u].x += same ? 0.0f : got[u].x, next[u].y += same ? 0.0f : got[u].y;
-        }
-        ahead.next(t, p, KC);
-      }
       if (!active) continue;
 #pragma unroll
       for (int js = 0; js < Pipe::STEPS; ++js) {
@@ -782,42 +561,9 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
         }
       }
     }
-    if (NORM) { /* the rows' scales, for every warp's epilogue */
-      gpuos_linear_norm_rows<R>(p, it.rows, sums, sh.rows);
-      __syncthreads();
-#pragma unroll
-      for (int u = 0; u < SLOTS; ++u) sums[u] = next[u], next[u] = make_float2(0.0f, 0.0f);
-    }
     GPUOS_MARK(3);
-    if (staged) { /* the tile of out is in: at most the NS - 2 refills after its own pending */
-      if (it.steps / Pipe::STEPS >= NS - 1) {
-        gpuos_cp_async_wait<NS - 2>();
-      } else {
-        gpuos_cp_async_wait<0>();
-      }
-      __syncthreads();
-    }
-    if (ACC && p.splits == 1) { /* out's values join the products (from shared memory where
-                                 * staged: loads here waited for one another) */
-#pragma unroll
-      for (int a = 0; a < TM; ++a) {
-#pragma unroll
-        for (int f = 0; f < NW; ++f) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = 16 * (TM * wm + a) + g + 8 * (e / 2);
-            const int c = 8 * (NW * wn + f) + 2 * q + e % 2;
-            const int m = GPUOS_LINEAR_BM * it.mb + min(r, it.rows - 1);
-            const unsigned short h = sh.old[GPUOS_LINEAR_BN * min(r, it.rows - 1) + c];
-            const int n = min(GPUOS_LINEAR_BN * it.nt + c, p.n - 1);
-            acc[a][f][e] += !staged ? gpuos_linear_old(t, p, m, n)
-                            : BF16  ? gpuos_bf16_to_f32(h)
-                                    : gpuos_f16_to_f32(h);
-          }
-        }
-      }
-    }
-    /* the final values, or two neighbours of the split's partial block in one store (its columns
+    /* acc[a][f][2 h + e]: row 16 (TM wm + a) + g + 8 h of x, output 8 (NW wn + f) + 2 q + e: the
+     * final values, or two neighbours of the split's partial block in one store (its columns
      * past N hold zeros, which the combine never reads) */
     float* part = p.splits == 1 ? nullptr : gpuos_linear_part(t, p, it, it.s);
 #pragma unroll
@@ -828,13 +574,8 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
         for (int h = 0; h < 2; ++h) {
           const int r = 16 * (TM * wm + a) + g + 8 * h, c = 8 * (NW * wn + f) + 2 * q;
           const int m = GPUOS_LINEAR_BM * it.mb + r, n = GPUOS_LINEAR_BN * it.nt + c;
-          float v0 = acc[a][f][2 * h], v1 = acc[a][f][2 * h + 1];
+          const float v0 = acc[a][f][2 * h], v1 = acc[a][f][2 * h + 1];
           if (!active || r >= it.rows) continue;
-          if (NORM) {
-            const float2 scale = sh.rows[r];
-            v0 = scale.x * v0 - scale.y * shift[f][0];
-            v1 = scale.x * v1 - scale.y * shift[f][1];
-          }
           if (part != nullptr) {
             *reinterpret_cast<float2*>(part + r * GPUOS_LINEAR_BN + c) = make_float2(v0, v1);
             continue;
@@ -845,61 +586,47 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
       }
     }
     GPUOS_MARK(1);
-    gpuos_linear_arrive<true, (R > 16), ACC>(t, p, it, &sh.last);
+    gpuos_linear_arrive<true, (R > 16)>(t, p, it, last);
   }
   gpuos_cp_async_wait<0>(); /* no copy may land in shared memory after the operator returned */
 }
 
-/* A version per dtype, and with a fused norm (never the accumulating operator's). */
-template <int R, bool ACC>
-__device__ __forceinline__ void gpuos_linear_mma_dtype(const GpuosTask* t, GpuosLinearShared& sh) {
-  const bool bf16 = t->in[0].dtype == GPUOS_DTYPE_BF16;
-  if (!ACC && sh.plan.norm) {
-    if (bf16) gpuos_linear_mma<R, true, false, true>(t, sh.plan, sh);
-    else gpuos_linear_mma<R, false, false, true>(t, sh.plan, sh);
-  } else if (bf16) {
-    gpuos_linear_mma<R, true, ACC, false>(t, sh.plan, sh);
+template <int R>
+__device__ __forceinline__ void gpuos_linear_mma_dtype(const GpuosTask* t, const GpuosLinearPlan& p,
+                                                       int* last) {
+  if (t->in[0].dtype == GPUOS_DTYPE_BF16) {
+    gpuos_linear_mma<R, true>(t, p, last);
   } else {
-    gpuos_linear_mma<R, false, ACC, false>(t, sh.plan, sh);
+    gpuos_linear_mma<R, false>(t, p, last);
   }
 }
 
-/* ACC: the accumulating operator (out += x W^T + bias). */
-template <bool ACC>
 __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
-  __shared__ GpuosLinearShared sh;
-  __shared__ __align__(16) float gamma[ACC ? 4 : GPUOS_LINEAR_NORM_MAX_K]; /* 16 KB: not ACC's */
-  __shared__ __align__(16) unsigned short old[ACC ? GPUOS_LINEAR_BM * GPUOS_LINEAR_BN : 8];
+  __shared__ GpuosLinearPlan plan;
+  __shared__ int last;
   if (t->range_begin >= t->range_end) { /* no items (an empty x or W): uniform */
     gpuos_await(t);
     return;
   }
   /* GPUOS_TASK_EARLY: the plan (from the descriptor alone) and the weights, where settled,
    * before the wait for x */
-  if (threadIdx.x == 0) {
-    sh.plan = gpuos_linear_plan(t);
-    sh.plan.norm = ACC ? 0 : sh.plan.norm; /* no room for gamma: the host never asks for it */
-    sh.gamma = gamma;
-    sh.old = old;
-  }
+  if (threadIdx.x == 0) plan = gpuos_linear_plan(t);
   __syncthreads();
   GPUOS_MARK(0);
-  const int rows = min(sh.plan.m, GPUOS_LINEAR_BM);
-  if (!sh.plan.fast) {
+  const int rows = min(plan.m, GPUOS_LINEAR_BM);
+  if (!plan.fast) {
     gpuos_await(t);
-    gpuos_linear_generic<ACC>(t, sh.plan, &sh.last);
+    gpuos_linear_generic(t, plan, &last);
   } else if (rows <= 8) {
-    gpuos_linear_mma_dtype<8, ACC>(t, sh);
+    gpuos_linear_mma_dtype<8>(t, plan, &last);
   } else if (rows <= 16) {
-    gpuos_linear_mma_dtype<16, ACC>(t, sh);
+    gpuos_linear_mma_dtype<16>(t, plan, &last);
   } else if (rows <= 32) {
-    gpuos_linear_mma_dtype<32, ACC>(t, sh);
+    gpuos_linear_mma_dtype<32>(t, plan, &last);
   } else {
-    gpuos_linear_mma_dtype<64, ACC>(t, sh);
+    gpuos_linear_mma_dtype<64>(t, plan, &last);
   }
 }
 
 #define GPUOS_DEFINE_LINEAR(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_linear<false>(t); }
-#define GPUOS_DEFINE_LINEAR_RESIDUAL(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_linear<true>(t); }
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_linear(t); }

@@ -36,7 +36,6 @@ import torch
 
 from gpuos_core import OpCall, Runtime
 from gpuos_core.batch import Uploads
-from gpuos_core.families import LINEAR_NORM_MAX_K
 from gpuos_core.program import Arena, Program, ProgramBuilder
 from serving.llm.forward import Span, forward
 from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
@@ -279,33 +278,23 @@ class ProgramOps:
             "add", x, self._add("gather_rows", positions, self.inputs["positions"]), out=x
         )
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        linear: Linear,
-        norm: Norm | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The norm fused into the linear where its rows fit (LINEAR_NORM_MAX_K), else a stage of
-        its own."""
-        if norm is None:
-            return self._add("linear", x, *self._weights(linear), out=out)
+    def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
         eps = self.config.norm_eps
-        weights = (norm.weight,) if norm.bias is None else (norm.weight, norm.bias)
-        if x.shape[-1] <= LINEAR_NORM_MAX_K:
-            return self._add("linear", x, *self._weights(linear, True), *weights, out=out, eps=eps)
-        kind = "layernorm" if norm.bias is not None else "rmsnorm"
-        normed = self._add(kind, x, *weights, eps=eps)
-        return self._add("linear", normed, *self._weights(linear), out=out)
+        if norm.bias is not None:
+            return self._add("layernorm", x, norm.weight, norm.bias, eps=eps)
+        return self._add("rmsnorm", x, norm.weight, eps=eps)
 
-    def _weights(self, linear: Linear, always_bias: bool = False) -> tuple[torch.Tensor, ...]:
-        """The linear's weight and bias inputs (an empty bias where inputs follow it)."""
-        if linear.bias is not None:
-            return linear.weight, linear.bias
-        return (linear.weight, linear.weight.new_empty(0)) if always_bias else (linear.weight,)
+    def add_norm(
+        self, x: torch.Tensor, y: torch.Tensor, norm: Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.config.norm_eps
+        if norm.bias is not None:
+            return x, self._add("add_layernorm", x, y, norm.weight, norm.bias, eps=eps)
+        return x, self._add("add_rmsnorm", x, y, norm.weight, eps=eps)
 
-    def add_linear(self, into: torch.Tensor, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        return self._add("linear_residual", x, *self._weights(linear), out=into)
+    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        bias = () if linear.bias is None else (linear.bias,)
+        return self._add("linear", x, linear.weight, *bias)
 
     def rotary(self, x: torch.Tensor) -> torch.Tensor:
         assert self.tables is not None, "rotary() of a model without rotary embeddings"
@@ -369,10 +358,10 @@ class ProgramOps:
             return self._add("swiglu", *h.chunk(2, dim=-1))
         return self._add(kind, h)  # "gelu" and "gelu_tanh" are catalogue operators
 
-    def logits(self, x: torch.Tensor, norm: Norm, head: torch.Tensor) -> torch.Tensor:
-        picked = self._add("gather_rows", x, self.inputs["picks"])
+    def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        picked = self._add("gather_rows", h, self.inputs["picks"])
         out = self.build.empty((self.layout.picks, head.shape[0]), torch.float32)
-        return self.linear(picked, Linear(head, None), norm, out=out)
+        return self._add("linear", picked, head, out=out)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,10 @@
 """The model's forward, written once over a small micro-op interface.
 
-`forward(model, ops)` reads as the model: embed; per layer qkv of the normed rows → rotary →
-attention (which stores the rows' keys and values) → output projection added to the residual → MLP
-of the normed rows added to the residual; then the LM head of the normed rows. Each norm is asked
-of the linear that reads it, and each residual add of the linear that produces it, so a device
-program can fuse them (a norm and an add are each a stage of their own otherwise). It knows nothing
-of where the rows run or how they are laid out: `ops` owns the step's rows (token ids, positions,
-KV slots) and the KV pool. Two implementations of `MicroOps`:
+`forward(model, ops)` reads as the model: embed; per layer norm → qkv → rotary → attention (which
+stores the rows' keys and values) → output projection + residual → norm → MLP + residual; then
+the final norm and the LM head. It knows nothing of where the rows run or how they are laid
+out: `ops` owns the step's rows (token ids, positions, KV slots) and the KV pool. Two
+implementations of `MicroOps`:
 - `TorchOps` (here): eager torch, the reference: `forward_tokens`, the engine's tests and its
   `micro_ops: torch` baseline;
 - `ProgramOps` (serving/llm/device_step.py): records the same calls into one device program.
@@ -42,12 +40,16 @@ class MicroOps(Protocol):
     def embed(self, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """The rows' token embeddings [N, hidden], plus their learned position embeddings."""
 
-    def linear(self, x: torch.Tensor, linear: Linear, norm: Norm | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias), x's rows first through the norm when one is given (LayerNorm when
-        it has a bias, else RMSNorm)."""
+    def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        """LayerNorm (the norm has a bias) or RMSNorm of each row."""
 
-    def add_linear(self, into: torch.Tensor, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        """into + x @ weight.T (+ bias); `into` may be updated in place."""
+    def add_norm(
+        self, x: torch.Tensor, y: torch.Tensor, norm: Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y, its norm); x may be updated in place."""
+
+    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """x @ weight.T (+ bias)."""
 
     def rotary(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, heads, head_dim] rotated by each row's position; x may be updated in place."""
@@ -61,23 +63,25 @@ class MicroOps(Protocol):
     def activation(self, h: torch.Tensor, kind: str) -> torch.Tensor:
         """GELU (`gelu`, `gelu_tanh`) of h, or SwiGLU (`silu_glu`: silu(first half) * second)."""
 
-    def logits(self, x: torch.Tensor, norm: Norm, head: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [R, vocab] of the normed rows of x whose logits the step wants."""
+    def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [R, vocab] of the rows whose logits the step wants (normed rows h)."""
 
 
 def forward(model: Model, ops: MicroOps) -> torch.Tensor:
     """The logits `ops.logits` picks, the keys and values of every row stored on the way."""
     c, w = model.config, model.weights
     x = ops.embed(w.embed, w.positions)
+    h = ops.norm(x, w.layers[0].attn_norm)
     for i, layer in enumerate(w.layers):
-        q, k, v = split_heads(c, ops.linear(x, layer.qkv, layer.attn_norm))
+        q, k, v = split_heads(c, ops.linear(h, layer.qkv))
         if c.rope_theta is not None:
             q, k = ops.rotary(q), ops.rotary(k)
         a = ops.attention(i, q, k, v)
-        x = ops.add_linear(x, a.flatten(1), layer.o)
-        h = ops.activation(ops.linear(x, layer.up, layer.mlp_norm), c.activation)
-        x = ops.add_linear(x, h, layer.down)
-    return ops.logits(x, w.final_norm, w.lm_head)
+        x, h = ops.add_norm(x, ops.linear(a.flatten(1), layer.o), layer.mlp_norm)
+        y = ops.linear(ops.activation(ops.linear(h, layer.up), c.activation), layer.down)
+        # the residual add fuses with the next norm: the next layer's, or the final one
+        x, h = ops.add_norm(x, y, w.layers[i + 1].attn_norm if i + 1 < c.layers else w.final_norm)
+    return ops.logits(h, w.lm_head)
 
 
 def split_heads(
@@ -125,11 +129,17 @@ class TorchOps:
         x = table[self.tokens]
         return x + positions[self.positions] if positions is not None else x
 
-    def linear(self, x: torch.Tensor, linear: Linear, norm: Norm | None = None) -> torch.Tensor:
-        return linear(x if norm is None else normalize(x, norm, self.config.norm_eps))
+    def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        return normalize(x, norm, self.config.norm_eps)
 
-    def add_linear(self, into: torch.Tensor, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        return into + linear(x)
+    def add_norm(
+        self, x: torch.Tensor, y: torch.Tensor, norm: Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        s = x + y
+        return s, self.norm(s, norm)
+
+    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        return linear(x)
 
     def rotary(self, x: torch.Tensor) -> torch.Tensor:
         theta = self.config.rope_theta
@@ -159,8 +169,8 @@ class TorchOps:
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh" if kind == "gelu_tanh" else "none")
 
-    def logits(self, x: torch.Tensor, norm: Norm, head: torch.Tensor) -> torch.Tensor:
-        return F.linear(normalize(x[self.picked], norm, self.config.norm_eps), head).float()
+    def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        return F.linear(h[self.picked], head).float()
 
 
 def forward_tokens(

@@ -1,8 +1,7 @@
 """The linear operator (out = x W^T + bias, issue 12) on each backend against torch in float64:
 decode and prefill row counts, K and N off the tile sizes, fp32/fp16/bf16, leading dims and
 strided views (both kernel paths on a GPU), split-K plans, records cut anywhere, reruns, and the
-validation messages; its fused LayerNorm / RMSNorm of x's rows (issue 13), and linear_residual,
-which adds into its out in place. The plan's arithmetic is checked against the kernel's header."""
+validation messages. The plan's arithmetic is checked against the kernel's header."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from gpuos_core.families import (
     DEFAULT_SMS,
     LINEAR_COLS,
     LINEAR_KSTEP,
-    LINEAR_NORM_MAX_K,
     LINEAR_PART_ROWS,
     LINEAR_ROWS,
     LINEAR_STEP_ALIGN,
@@ -144,9 +142,7 @@ def test_bad_inputs_are_rejected(rt: Runtime) -> None:
         ((x, w, x[0, :31]), r"input 2 \(bias\) must have shape \(32,\)"),
         ((x, w.float()), r"must share one dtype, got torch.float16, torch.float32"),
         ((x[0, 0], w), r"linear input 0 \(x\) must have 1 to 6 dims"),
-        ((x,), r"linear takes 2 to 5 tensor input\(s\), got 1"),
-        ((x, w, x[0, :32], x[0, :60]), r"input 3 \(the norm's weight\) must have shape \(64,\)"),
-        ((x, w, x[0, :32], x[0], x[0, :8]), r"input 4 \(the norm's bias\) must have shape \(64,\)"),
+        ((x,), r"linear takes 2 to 3 tensor input\(s\), got 1"),
         ((x, w.to(torch.int32)), r"linear input 1 has dtype torch.int32"),
     ]
     for inputs, message in cases:
@@ -154,74 +150,14 @@ def test_bad_inputs_are_rejected(rt: Runtime) -> None:
             rt.prepare(OpCall("linear", inputs))
 
 
-def test_a_fused_norm_takes_rows_up_to_the_kernels_limit(rt: Runtime) -> None:
-    k = LINEAR_NORM_MAX_K + 8
-    x, w = randn(rt, (1, k), torch.float16, 1), randn(rt, (8, k), torch.float16, 2)
-    with pytest.raises(TensorSpecError, match=f"rows of at most {LINEAR_NORM_MAX_K}"):
-        rt.prepare(OpCall("linear", (x, w, x.new_empty(0), x[0])))
-
-
-def reference_norm(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None) -> torch.Tensor:
-    """LayerNorm (beta given) or RMSNorm of x's rows in float64, eps 1e-5."""
-    x = x.double()
-    if beta is not None:
-        return F.layer_norm(x, (x.shape[-1],), gamma.double(), beta.double(), 1e-5)
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * gamma.double()
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [1, 3, 16, 24, 64, 200])
-@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
-def test_fused_norm_matches_torch(rt: Runtime, dtype: torch.dtype, m: int, kind: str) -> None:
-    """linear(x, W, bias, gamma[, beta]) is the linear of x's normed rows, whose mean here is as
-    large as their spread (the kernel applies the norm through the product: r (x gamma) W^T -
-    r mean (W gamma) + bias + W beta). K = 1024 with few rows would split K: a norm keeps it
-    whole; K = 100 takes the CUDA-core path on a GPU."""
-    shapes = [(200, 130, True), (1024, 70, False), (100, 64, True)]
-    for seed, (k, n, with_bias) in enumerate(shapes):
-        x = randn(rt, (m, k), dtype, seed)
-        x = x + x.float().std().to(dtype)  # rows off zero by one spread
-        w = randn(rt, (n, k), dtype, seed + 100)
-        bias = randn(rt, (n,), dtype, seed + 200) if with_bias else x.new_empty(0)
-        gamma = 1 + randn(rt, (k,), dtype, seed + 300)
-        beta = randn(rt, (k,), dtype, seed + 400) if kind == "layernorm" else None
-        norm = (gamma,) if beta is None else (gamma, beta)
-        task = rt.prepare(OpCall("linear", (x, w, bias, *norm)))
-        assert LinearPlan.of(x, w, task.inputs[3]).splits == 1
-        rt.submit([task]).wait(30)
-        b = bias.double() if with_bias else None
-        ref = F.linear(reference_norm(x, gamma, beta), w.double(), b)
-        err = rel_error(task.out, ref)
-        assert err < TOLERANCE[dtype], f"{kind} {tuple(x.shape)} x {tuple(w.shape)}: {err:.2e}"
-
-
-@pytest.mark.parametrize("m", [1, 40])
-@pytest.mark.parametrize("k", [256, 2048])  # 2048: K split, the combine adds out
-def test_linear_residual_adds_into_out(rt: Runtime, m: int, k: int) -> None:
-    x, w = randn(rt, (m, k), torch.float16, 1), randn(rt, (100, k), torch.float16, 2)
-    bias = randn(rt, (100,), torch.float16, 3)
-    out = randn(rt, (m, 100), torch.float16, 4)
-    before = out.double()
-    task = rt.prepare(OpCall("linear_residual", (x, w, bias), out=out))
-    assert task.out is out
-    for run in range(1, 3):  # reruns add again
-        rt.submit([task]).wait(30)
-        ref = before + run * F.linear(x.double(), w.double(), bias.double())
-        assert rel_error(out, ref) < TOLERANCE[torch.float16]
-    with pytest.raises(TensorSpecError, match="adds into the tensor given as out="):
-        rt.prepare(OpCall("linear_residual", (x, w)))
-
-
 def test_the_plan_agrees_with_the_kernel() -> None:
     header = (CUDA_DIR / "ops" / "linear.cuh").read_text()
     defines = dict(re.findall(r"#define GPUOS_LINEAR_(\w+) (\d+)", header))
-    keys = ("BM", "BN", "KSTEP", "STEP_ALIGN", "PART_ROWS", "NORM_MAX_K")
-    assert {k: int(defines[k]) for k in keys} == {
+    assert {k: int(defines[k]) for k in ("BM", "BN", "KSTEP", "STEP_ALIGN", "PART_ROWS")} == {
         "BM": LINEAR_ROWS,
         "BN": LINEAR_COLS,
         "KSTEP": LINEAR_KSTEP,
         "STEP_ALIGN": LINEAR_STEP_ALIGN,
-        "NORM_MAX_K": LINEAR_NORM_MAX_K,
         "PART_ROWS": LINEAR_PART_ROWS,
     }
 
