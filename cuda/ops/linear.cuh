@@ -181,13 +181,16 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
   const int quads = it.rows * QUADS;
   GPUOS_ROLLED
   for (int i0 = threadIdx.x; i0 < quads; i0 += C * blockDim.x) {
+    int quad[C], n[C]; /* this thread's quads this round (past the last: quad i0 again), outputs */
     float bias[C][4];
     float4 sum[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      const int n = GPUOS_LINEAR_BN * it.nt + 4 * ((i0 + c * blockDim.x) % QUADS);
+      const int i = i0 + c * blockDim.x;
+      quad[c] = i < quads ? i : i0;
+      n[c] = i < quads ? GPUOS_LINEAR_BN * it.nt + 4 * (i % QUADS) : p.n; /* p.n: none stored */
 #pragma unroll
-      for (int e = 0; e < 4; ++e) bias[c][e] = gpuos_linear_bias(t, p, n + e);
+      for (int e = 0; e < 4; ++e) bias[c][e] = gpuos_linear_bias(t, p, n[c] + e);
       sum[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     GPUOS_ROLLED
@@ -196,10 +199,8 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
 #pragma unroll
       for (int c = 0; c < C; ++c) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) { /* past the quads or splits: quad i0, split s0 again */
-          const int i = i0 + c * blockDim.x < quads ? i0 + c * blockDim.x : i0;
-          v[c][u] = __ldcg(first + (s0 + u < p.splits ? s0 + u : s0) * plane / 4 + i);
-        }
+        for (int u = 0; u < U; ++u) /* past the splits: split s0 again */
+          v[c][u] = __ldcg(first + (s0 + u < p.splits ? s0 + u : s0) * plane / 4 + quad[c]);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -214,13 +215,11 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
     if (i0 == threadIdx.x) GPUOS_MARK(7); /* thread 0's first quads summed */
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      const int i = i0 + c * blockDim.x, m = GPUOS_LINEAR_BM * it.mb + i / QUADS;
-      const int n = GPUOS_LINEAR_BN * it.nt + 4 * (i % QUADS);
+      const int m = GPUOS_LINEAR_BM * it.mb + quad[c] / QUADS;
       const float out[4] = {sum[c].x, sum[c].y, sum[c].z, sum[c].w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if (i < quads && n + e < p.n)
-          gpuos_linear_final<UNIFORM>(t, p, m, n + e, out[e] + bias[c][e]);
+        if (n[c] + e < p.n) gpuos_linear_final<UNIFORM>(t, p, m, n[c] + e, out[e] + bias[c][e]);
       }
     }
   }

@@ -310,9 +310,9 @@ class _ProgramForward:
     # Step programs kept (by layout and parity; the least recently used is dropped): 64 slots
     # under the H200 completions load test met 41 with 128 kept, but rebuilt 98-144 times in 30 s
     # with 64 kept, and a build holds every stream (~0.1 s for GPT-2 small there). Each costs its
-    # records and its linears' and attention's split-K workspaces: ~57 MB for GPT-2 small while
-    # its K = 768 linears were split (2.3 GB for the 41, ~7 GB at most); since dc9262f its
-    # linears' share at 64 rows is ~14 MB.
+    # records and its linears' and attention's split-K workspaces: for GPT-2 small at most the
+    # ~57 MB measured when its K = 768 linears were split (2.3 GB for the 41, ~7 GB for 128);
+    # unsplit, its linears' share at 64 rows is ~14 MB.
     PROGRAMS = 128
     chains = True
 
