@@ -299,8 +299,9 @@ __device__ __forceinline__ unsigned int gpuos_smem_address(const void* p) {
 /* 16 bytes into shared memory, from global memory through L2 only; `bytes` 0 writes zeros. */
 __device__ __forceinline__ void gpuos_cp_async16(unsigned int dst, const void* src, int bytes) {
 #if GPUOS_SM80
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
-               : "memory");
+  /* no "memory" clobber: it would make every field read from shared memory (descriptor, plan)
+   * after it a fresh load; the commit and the wait, volatile and ordered with it, carry one */
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
 #else
   __trap();
 #endif
@@ -425,43 +426,63 @@ struct GpuosLinearStage {
   }
 };
 
+/* Where a record's copies read, in registers (the descriptor and plan sit in shared memory). */
+struct GpuosLinearSource {
+  const char* w;  /* W */
+  int64_t ws;     /* elements between rows of W */
+  const char* x;  /* x */
+  int64_t xrs;    /* elements between rows of x */
+  int end;        /* the record's range_end */
+};
+
 /* Copy `rows` rows of a stage from `src` (rows `stride` elements apart, the stage's elements from
- * s.k on) into shared address `dst`, zeros past the item's k range and for rows [rows, count):
- * pad steps and absent rows then add nothing. */
-template <int R>
+ * s.k on) into shared address `dst`, zeros past the item's k range and for rows [rows, COUNT):
+ * pad steps and absent rows then add nothing. Each of the GPUOS_LINEAR_MMA_THREADS threads
+ * copies one 16-byte column of the stage in rows STEP apart (an even step: the rows' parity, and
+ * so their swizzle, stays), with pointers advanced rather than recomputed. */
+template <int R, int COUNT>
 __device__ __forceinline__ void gpuos_linear_copy(unsigned int dst, const char* src, int64_t stride,
-                                                  int rows, int count, const GpuosLinearStage& s) {
+                                                  int rows, const GpuosLinearStage& s) {
   using Pipe = GpuosLinearPipe<R>;
-  for (int c = threadIdx.x; c < count * Pipe::CHUNKS; c += blockDim.x) {
-    const int row = c / Pipe::CHUNKS, kofs = 8 * (c % Pipe::CHUNKS);
-    const bool in = row < rows && s.k + kofs < s.k1;
-    const char* from = src + 2 * (row * stride + s.k + kofs);
-    gpuos_cp_async16(dst + Pipe::offset(row, c % Pipe::CHUNKS), in ? from : src, in ? 16 : 0);
+  constexpr int STEP = GPUOS_LINEAR_MMA_THREADS / Pipe::CHUNKS;
+  static_assert(STEP % 2 == 0, "rows STEP apart share their swizzle");
+  const int col = threadIdx.x % Pipe::CHUNKS, row0 = threadIdx.x / Pipe::CHUNKS;
+  const int kofs = s.k + 8 * col;
+  const bool kin = kofs < s.k1;
+  const char* from = src + 2 * (row0 * stride + kofs);
+  const unsigned int to = dst + Pipe::offset(row0, col);
+#pragma unroll
+  for (int i = 0; i * STEP < COUNT; ++i) {
+    const int row = row0 + i * STEP;
+    const bool in = kin && row < rows;
+    if (row < COUNT) gpuos_cp_async16(to + i * STEP * Pipe::PITCH, in ? from : src, in ? 16 : 0);
+    from += 2 * STEP * stride;
   }
 }
 
-/* Stage s's W (wanted) and x (wanted) into buffer `buffer`; no copies for a stage past the
- * record's last item. The caller commits. */
+/* Stage s's W (wanted) and x (wanted) into buffer `buffer`, by the first
+ * GPUOS_LINEAR_MMA_THREADS threads; no copies for a stage past the record's last item. The
+ * caller commits. */
 template <int R>
-__device__ __forceinline__ void gpuos_linear_issue(const GpuosTask* t, const GpuosLinearPlan& p,
+__device__ __forceinline__ void gpuos_linear_issue(const GpuosLinearSource& src,
                                                    unsigned int buffer, const GpuosLinearStage& s,
                                                    bool w, bool x) {
   using Pipe = GpuosLinearPipe<R>;
-  if (s.item >= t->range_end) return;
+  if (s.item >= src.end || threadIdx.x >= GPUOS_LINEAR_MMA_THREADS) return;
   if (w) {
-    const char* w0 = reinterpret_cast<const char*>(t->in[1].data) + 2 * s.n0 * t->in[1].strides[0];
-    gpuos_linear_copy<R>(buffer, w0, t->in[1].strides[0], s.wrows, GPUOS_LINEAR_BN, s);
+    const char* w0 = src.w + 2 * s.n0 * src.ws;
+    gpuos_linear_copy<R, GPUOS_LINEAR_BN>(buffer, w0, src.ws, s.wrows, s);
   }
   if (x) {
-    const char* x0 = reinterpret_cast<const char*>(t->in[0].data) + 2 * s.row0 * p.xrs;
-    gpuos_linear_copy<R>(buffer + Pipe::W_BYTES, x0, p.xrs, s.rows, R, s);
+    const char* x0 = src.x + 2 * s.row0 * src.xrs;
+    gpuos_linear_copy<R, R>(buffer + Pipe::W_BYTES, x0, src.xrs, s.rows, s);
   }
 }
 
 /* The items of the record on tensor cores. W's first NS - 1 stages are issued before the wait
  * for x where W is settled (gpuos_settled: no producer in the program writes it), so a record
  * whose weights fit in them has them in shared memory when x is ready. Warps past
- * GPUOS_LINEAR_WARPS (blocks over 256 threads) copy and keep the barriers, nothing else. */
+ * GPUOS_LINEAR_WARPS (blocks over 256 threads) keep the barriers, nothing else. */
 template <int R, bool BF16>
 __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const GpuosLinearPlan& p,
                                                  int* last) {
@@ -479,6 +500,8 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
   const bool active = warp < GPUOS_LINEAR_WARPS;
   const int begin = static_cast<int>(t->range_begin), end = static_cast<int>(t->range_end);
   const unsigned int base = gpuos_smem_address(gpuos_dynamic_smem);
+  const GpuosLinearSource src = {reinterpret_cast<const char*>(t->in[1].data), t->in[1].strides[0],
+                                 reinterpret_cast<const char*>(t->in[0].data), p.xrs, end};
 
   /* Stages 0 .. NS - 2, each one commit group: W before the wait when settled, x after it. */
   const bool early = gpuos_settled(t, 1);
@@ -486,7 +509,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
   if (early) {
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s, fill.next(t, p, KC)) {
-      gpuos_linear_issue<R>(t, p, base + s * Pipe::BYTES, fill, true, false);
+      gpuos_linear_issue<R>(src, base + s * Pipe::BYTES, fill, true, false);
       gpuos_cp_async_commit();
     }
     fill = GpuosLinearStage::at(t, p, begin, KC);
@@ -495,7 +518,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
   gpuos_await(t);
 #pragma unroll
   for (int s = 0; s < NS - 1; ++s, fill.next(t, p, KC)) {
-    gpuos_linear_issue<R>(t, p, base + s * Pipe::BYTES, fill, !early, true);
+    gpuos_linear_issue<R>(src, base + s * Pipe::BYTES, fill, !early, true);
     gpuos_cp_async_commit();
   }
 
@@ -532,7 +555,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
       gpuos_cp_async_wait<NS - 2>();
       __syncthreads();
       const int refill = consume == 0 ? NS - 1 : consume - 1;
-      gpuos_linear_issue<R>(t, p, base + refill * Pipe::BYTES, fill, true, true);
+      gpuos_linear_issue<R>(src, base + refill * Pipe::BYTES, fill, true, true);
       gpuos_cp_async_commit();
       fill.next(t, p, KC);
       if (i == begin && j0 == 0) GPUOS_MARK(2); /* the record's first stage is in */
