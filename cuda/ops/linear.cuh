@@ -151,14 +151,49 @@ __device__ __forceinline__ float gpuos_linear_bias(const GpuosTask* t, const Gpu
   return b.numel != 0 && n < p.n ? gpuos_load(b, n * b.strides[0]) : 0.0f;
 }
 
-/* out[m][n] = v (the bias already added). UNIFORM: rows of out are p.ors apart (the tensor-core
- * path's condition), which spares every store a walk over out's dims. */
-template <bool UNIFORM>
-__device__ __forceinline__ void gpuos_linear_final(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                   int m, int n, float v) {
-  const GpuosTensorRef& o = t->out;
-  gpuos_store(o, UNIFORM ? m * p.ors + n * o.strides[o.ndim - 1] : gpuos_row_offset(o, m, n), v);
+/* out[m][n] = v (the bias already added), through out's dims (the CUDA-core path). */
+__device__ __forceinline__ void gpuos_linear_final(const GpuosTask* t, int m, int n, float v) {
+  gpuos_store(t->out, gpuos_row_offset(t->out, m, n), v);
 }
+
+/* out as the tensor-core path stores it (rows p.ors apart), in registers: a store through a
+ * generic pointer may alias the descriptor and plan in shared memory, so each store would
+ * otherwise reload them. `pair`: two neighbouring 16-bit outputs take one 32-bit store (unit
+ * column stride, even row stride, 4-byte aligned data). */
+struct GpuosLinearSink {
+  char* data;
+  int64_t ors, cs; /* elements between rows and between outputs */
+  int dtype, size; /* out's dtype and its bytes */
+  int n;           /* outputs */
+  bool pair;
+
+  __device__ static GpuosLinearSink of(const GpuosTask* t, const GpuosLinearPlan& p) {
+    const GpuosTensorRef& o = t->out;
+    GpuosLinearSink k;
+    k.data = reinterpret_cast<char*>(o.data);
+    k.ors = p.ors;
+    k.cs = o.strides[o.ndim - 1];
+    k.dtype = o.dtype;
+    k.size = gpuos_dtype_size(o.dtype);
+    k.n = p.n;
+    k.pair = k.size == 2 && k.cs == 1 && k.ors % 2 == 0 && (o.data & 3u) == 0;
+    return k;
+  }
+
+  /* out[m][n] = v0 and out[m][n + 1] = v1 (n even), those past the outputs left out. */
+  __device__ void store2(int m, int n, float v0, float v1) const {
+    char* at = data + (m * ors + n * cs) * size;
+    if (pair && n + 1 < this->n) {
+      const bool f16 = dtype == GPUOS_DTYPE_F16;
+      const unsigned int lo = f16 ? gpuos_f32_to_f16(v0) : gpuos_f32_to_bf16(v0);
+      const unsigned int hi = f16 ? gpuos_f32_to_f16(v1) : gpuos_f32_to_bf16(v1);
+      *reinterpret_cast<unsigned int*>(at) = lo | hi << 16;
+      return;
+    }
+    if (n < this->n) gpuos_store_ptr(at, dtype, v0);
+    if (n + 1 < this->n) gpuos_store_ptr(at + cs * size, dtype, v1);
+  }
+};
 
 /* Partial block of split s of tile (mb, nt): P rows of GPUOS_LINEAR_BN fp32, 16-byte aligned. */
 __device__ __forceinline__ float* gpuos_linear_part(const GpuosTask* t, const GpuosLinearPlan& p,
@@ -170,7 +205,8 @@ __device__ __forceinline__ float* gpuos_linear_part(const GpuosTask* t, const Gp
 
 /* The tile's outputs from its S partial blocks, summed in split order, by all threads in groups
  * of 4 outputs (quads): a thread takes C quads at a time with U splits of each, all C U loads in
- * flight together and its quads' biases with them. */
+ * flight together and its quads' biases with them. UNIFORM: rows of out are p.ors apart (the
+ * tensor-core path's condition), stored through a GpuosLinearSink; else through out's dims. */
 template <bool UNIFORM, int C, int U>
 __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
                                                            const GpuosLinearPlan& p,
@@ -179,6 +215,7 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
   const int64_t plane = static_cast<int64_t>(p.mblocks) * p.ntiles * p.prows * GPUOS_LINEAR_BN;
   const float4* first = reinterpret_cast<const float4*>(gpuos_linear_part(t, p, it, 0));
   const int quads = it.rows * QUADS;
+  const GpuosLinearSink sink = GpuosLinearSink::of(t, p); /* UNIFORM's stores */
   GPUOS_ROLLED
   for (int i0 = threadIdx.x; i0 < quads; i0 += C * blockDim.x) {
     int quad[C], n[C]; /* this thread's quads this round (past the last: quad i0 again), outputs */
@@ -216,10 +253,16 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int m = GPUOS_LINEAR_BM * it.mb + quad[c] / QUADS;
-      const float out[4] = {sum[c].x, sum[c].y, sum[c].z, sum[c].w};
+      const float out[4] = {sum[c].x + bias[c][0], sum[c].y + bias[c][1], sum[c].z + bias[c][2],
+                            sum[c].w + bias[c][3]};
+      if constexpr (UNIFORM) {
+        sink.store2(m, n[c], out[0], out[1]);
+        sink.store2(m, n[c] + 2, out[2], out[3]);
+      } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (n[c] + e < p.n) gpuos_linear_final<UNIFORM>(t, p, m, n[c] + e, out[e] + bias[c][e]);
+        for (int e = 0; e < 4; ++e) {
+          if (n[c] + e < p.n) gpuos_linear_final(t, m, n[c] + e, out[e]);
+        }
       }
     }
   }
@@ -281,7 +324,7 @@ __device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const G
         sum += gpuos_load_ptr(xp, x.dtype) * gpuos_load_ptr(wp, w.dtype);
       if (p.splits == 1) {
         const float v = sum + gpuos_linear_bias(t, p, n);
-        gpuos_linear_final<false>(t, p, GPUOS_LINEAR_BM * it.mb + r, n, v);
+        gpuos_linear_final(t, GPUOS_LINEAR_BM * it.mb + r, n, v);
       } else {
         gpuos_linear_part(t, p, it, it.s)[r * GPUOS_LINEAR_BN + c] = sum;
       }
@@ -588,6 +631,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
      * final values, or two neighbours of the split's partial block in one store (its columns
      * past N hold zeros, which the combine never reads) */
     float* part = p.splits == 1 ? nullptr : gpuos_linear_part(t, p, it, it.s);
+    const GpuosLinearSink sink = GpuosLinearSink::of(t, p);
 #pragma unroll
     for (int a = 0; a < TM; ++a) {
 #pragma unroll
@@ -602,8 +646,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
             *reinterpret_cast<float2*>(part + r * GPUOS_LINEAR_BN + c) = make_float2(v0, v1);
             continue;
           }
-          if (n < p.n) gpuos_linear_final<true>(t, p, m, n, v0 + bias[f][0]);
-          if (n + 1 < p.n) gpuos_linear_final<true>(t, p, m, n + 1, v1 + bias[f][1]);
+          sink.store2(m, n, v0 + bias[f][0], v1 + bias[f][1]);
         }
       }
     }
