@@ -178,6 +178,8 @@ double best_gbps(Launch launch, size_t bytes) {
     if (rep > 0 && ms < best) best = ms;  // the first run warms up
   }
   check(cudaGetLastError(), "launch");
+  check(cudaEventDestroy(a), "event");
+  check(cudaEventDestroy(b), "event");
   return bytes / (best * 1e-3) / 1e9;
 }
 
@@ -218,9 +220,9 @@ int main() {
   }
 
   std::printf("%-22s %6s %10s %14s\n", "mechanism", "blocks", "GB/s", "GB/s a block");
+  const size_t per_block = (kBuffer / sms) / (64 * 2 * kCols) * (64 * 2 * kCols);  // whole bands
   const int counts[] = {1, 8, 32, sms};
   for (int blocks : counts) {
-    const size_t per_block = (kBuffer / sms) / (64 * 2 * kCols) * (64 * 2 * kCols);  // whole bands
     const size_t bytes = per_block * blocks;
     auto show = [&](const char* name, double gbps) {
       std::printf("%-22s %6d %10.1f %14.2f\n", name, blocks, gbps, gbps / blocks);

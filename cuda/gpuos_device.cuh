@@ -216,6 +216,11 @@ __device__ __forceinline__ unsigned short gpuos_f32_to_bf16(float f) {
 #endif
 }
 
+/* The 16-bit code of `v` in `dtype` (GPUOS_DTYPE_F16, else bf16). */
+__device__ __forceinline__ unsigned short gpuos_f32_to_16(int dtype, float v) {
+  return dtype == GPUOS_DTYPE_F16 ? gpuos_f32_to_f16(v) : gpuos_f32_to_bf16(v);
+}
+
 /* `v` rounded to a float `dtype` and widened back: what storing it and loading it again reads. */
 __device__ __forceinline__ float gpuos_round_to(int dtype, float v) {
   if (dtype == GPUOS_DTYPE_F16) return gpuos_f16_to_f32(gpuos_f32_to_f16(v));
@@ -259,9 +264,8 @@ __device__ __forceinline__ int gpuos_load_i32(const char* p) {
 
 /* Store fp32 `v` at byte address `p` as `dtype`, rounding to nearest even; branch-free too. */
 __device__ __forceinline__ void gpuos_store_ptr(char* p, int dtype, float v) {
-  const unsigned short h = dtype == GPUOS_DTYPE_F16 ? gpuos_f32_to_f16(v) : gpuos_f32_to_bf16(v);
   if (dtype == GPUOS_DTYPE_F16 || dtype == GPUOS_DTYPE_BF16) {
-    *reinterpret_cast<unsigned short*>(p) = h;
+    *reinterpret_cast<unsigned short*>(p) = gpuos_f32_to_16(dtype, v);
   } else {
     *reinterpret_cast<float*>(p) = v;
   }
@@ -325,8 +329,7 @@ __device__ __forceinline__ void gpuos_store4(const GpuosTensorRef& ref, int64_t 
   }
   unsigned int h[4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    h[j] = ref.dtype == GPUOS_DTYPE_F16 ? gpuos_f32_to_f16(v[j]) : gpuos_f32_to_bf16(v[j]);
+  for (int j = 0; j < 4; ++j) h[j] = gpuos_f32_to_16(ref.dtype, v[j]);
   *reinterpret_cast<uint2*>(p) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
 }
 

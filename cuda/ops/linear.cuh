@@ -164,7 +164,7 @@ struct GpuosLinearSink {
   char* data;
   int64_t ors, cs; /* elements between rows and between outputs */
   int dtype, size; /* out's dtype and its bytes */
-  int n;           /* outputs */
+  int outputs;     /* N */
   bool pair;
 
   __device__ static GpuosLinearSink of(const GpuosTask* t, const GpuosLinearPlan& p) {
@@ -175,7 +175,7 @@ struct GpuosLinearSink {
     k.cs = o.strides[o.ndim - 1];
     k.dtype = o.dtype;
     k.size = gpuos_dtype_size(o.dtype);
-    k.n = p.n;
+    k.outputs = p.n;
     k.pair = k.size == 2 && k.cs == 1 && k.ors % 2 == 0 && (o.data & 3u) == 0;
     return k;
   }
@@ -183,15 +183,13 @@ struct GpuosLinearSink {
   /* out[m][n] = v0 and out[m][n + 1] = v1 (n even), those past the outputs left out. */
   __device__ void store2(int m, int n, float v0, float v1) const {
     char* at = data + (m * ors + n * cs) * size;
-    if (pair && n + 1 < this->n) {
-      const bool f16 = dtype == GPUOS_DTYPE_F16;
-      const unsigned int lo = f16 ? gpuos_f32_to_f16(v0) : gpuos_f32_to_bf16(v0);
-      const unsigned int hi = f16 ? gpuos_f32_to_f16(v1) : gpuos_f32_to_bf16(v1);
+    if (pair && n + 1 < outputs) {
+      const unsigned int lo = gpuos_f32_to_16(dtype, v0), hi = gpuos_f32_to_16(dtype, v1);
       *reinterpret_cast<unsigned int*>(at) = lo | hi << 16;
       return;
     }
-    if (n < this->n) gpuos_store_ptr(at, dtype, v0);
-    if (n + 1 < this->n) gpuos_store_ptr(at + cs * size, dtype, v1);
+    if (n < outputs) gpuos_store_ptr(at, dtype, v0);
+    if (n + 1 < outputs) gpuos_store_ptr(at + cs * size, dtype, v1);
   }
 };
 
