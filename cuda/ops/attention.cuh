@@ -49,7 +49,7 @@
 #pragma once
 
 #include "gpuos_device.cuh" /* found through -I<repo>/cuda */
-#include "ops/linear.cuh"   /* the m16n8k16 product, shared-memory loads and L2 prefetch */
+#include "ops/linear.cuh"   /* the m16n8k16 product and shared-memory loads */
 
 #define GPUOS_ATTN_MAX_D 256
 #define GPUOS_ATTN_WARPS 8    /* warps that scan keys; a larger block's other warps only merge */
@@ -295,11 +295,15 @@ struct GpuosAttnRaw {
 /* ---- the tensor-core path ------------------------------------------------------------------- */
 
 /* Ask L2 for the key and value rows of the tile at kb (lanes 0-15 keys, 16-31 values), rows at
- * or past k1 skipped: the tile after the current one arrives while this one is computed. */
+ * or past k1 skipped: the tile after the current one arrives while this one is computed. A
+ * prefetch of 128-byte lines per lane, not a bulk prefetch: that one takes its address in a
+ * uniform register, so a warp's 32 rows cost a loop over the lanes. */
 __device__ __forceinline__ void gpuos_attn_prefetch(const GpuosAttnItem& it, int kb, int bytes) {
   const int lane = threadIdx.x % GPUOS_WARP, key = kb + lane % GPUOS_ATTN_TILE;
-  if (key < it.k1)
-    gpuos_prefetch_row(lane < GPUOS_ATTN_TILE ? it.k.key(key) : it.v.key(key), bytes, 0);
+  if (key >= it.k1) return;
+  const char* row = lane < GPUOS_ATTN_TILE ? it.k.key(key) : it.v.key(key);
+  GPUOS_ROLLED
+  for (int at = 0; at < bytes; at += 128) gpuos_prefetch_line(row + at);
 }
 
 /* Scores q . k of the tile at kb, unscaled, for lane (g, c): c[0], c[1] key g with queries 2c,

@@ -361,29 +361,6 @@ __device__ __forceinline__ void gpuos_cp_async_wait() {
 #endif
 }
 
-/* Ask L2 for `bytes` (a multiple of 16) from p (16-byte aligned), by one thread: one bulk
- * prefetch on sm_90 (the copy engine keeps it in flight, no register or load slot), else one
- * prefetch per 128-byte line. */
-__device__ __forceinline__ void gpuos_prefetch_l2(const char* p, int bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
-  GPUOS_ROLLED
-  for (int at = 0; at < bytes; at += 128) gpuos_prefetch_line(p + at);
-#endif
-}
-
-/* Ask L2 for `bytes` (a multiple of 16, at most 512) of a weight row from p (16-byte aligned):
- * one bulk prefetch by lane q == 0 on sm_90, else one 128-byte line from each of the 4 lanes q
- * of the row. */
-__device__ __forceinline__ void gpuos_prefetch_row(const char* p, int bytes, int q) {
-#if __CUDA_ARCH__ >= 900
-  if (q == 0 && bytes > 0) gpuos_prefetch_l2(p, bytes);
-#else
-  if (128 * q < bytes) gpuos_prefetch_line(p + 128 * q);
-#endif
-}
-
 /* d += a b for one m16n8k16 tile, fp32 accumulators. */
 template <bool BF16>
 __device__ __forceinline__ void gpuos_mma16816(float (&d)[4], unsigned int a0, unsigned int a1,
