@@ -39,13 +39,21 @@
  * contiguous and 16-byte aligned): scores of a tile are m16n8k16 products, K as A (lane (g, c)
  * loads 16 bytes of keys g and g + 8 per 32 dims, as linear.cuh loads W) and the group's queries
  * as B from shared memory; lane (g, c) then holds the scores of keys g, g + 8 for queries 2c,
- * 2c + 1. Probabilities go through shared memory to the value pass, where lane i owns dims
+ * 2c + 1. For D <= 64 the value pass is m16n8k16 products too, O^T += V^T P^T: V's rows are
+ * loaded as K's are and each 8 x 8 block of them transposed in registers (movmatrix), so that
+ * lane (g, c) holds, per 16 dims, the outputs of dims as gpuos_attn_tc_dim numbers them for
+ * queries 2c, 2c + 1, and the probabilities are transposed likewise into B: nothing goes through
+ * shared memory until the scan ends, when each warp turns its outputs into the accumulators'
+ * layout below through its GPUOS_ATTN_OUT_SMEM bytes of gpuos_dynamic_smem. For D >= 128
+ * probabilities go through shared memory to a value pass on CUDA cores, where lane i owns dims
  * [i D / 32, (i + 1) D / 32) of every query and loads them of each key with one load. The next
  * tile's rows are prefetched into L2 while this one is computed. Anything else takes the
  * CUDA-core path: one key per warp at a time, the same items, merge and combine.
  * Registers: at most GPUOS_ATTN_ACC accumulators per lane, so NQ = min(8, 16 / (D / 32)) (D / 32
  * rounded up to a power of two); 96 registers in all (the NVRTC cap). Static shared memory:
- * about 7 KB. Needs blockDim >= 32 GPUOS_ATTN_WARPS (the worker's 256 threads). */
+ * about 7 KB; the tensor-core path also needs GPUOS_ATTN_WARPS (GPUOS_ATTN_WARP_SMEM +
+ * GPUOS_ATTN_OUT_SMEM) bytes of dynamic shared memory. Needs blockDim >= 32 GPUOS_ATTN_WARPS
+ * (the worker's 256 threads). */
 #pragma once
 
 #include "gpuos_device.cuh" /* found through -I<repo>/cuda */
@@ -58,11 +66,14 @@
 #define GPUOS_ATTN_MAX_Q 8    /* queries of an item: the N of one product */
 #define GPUOS_ATTN_ACC 16     /* output accumulators per lane: NQ * D / 32 */
 #define GPUOS_ATTN_HEADER 8   /* workspace words before the counters (5 used: 16-byte aligned) */
-#define GPUOS_ATTN_VBATCH 8   /* values of this many keys in flight per lane */
+#define GPUOS_ATTN_VBATCH 8   /* values of this many keys in flight per lane (D >= 128) */
 /* Warp mode: each warp's staging area in gpuos_dynamic_smem, its item then its queries (at most
  * 8 rows of 192 bytes, at D = 64). */
 #define GPUOS_ATTN_WARP_SMEM 2048
 #define GPUOS_ATTN_WARP_Q 256 /* offset of the queries in it */
+/* After the staging areas: each warp's outputs [query][dim], fp32, between the tensor-core value
+ * pass and the merge (GPUOS_ATTN_ACC * 32 floats). */
+#define GPUOS_ATTN_OUT_SMEM (GPUOS_ATTN_ACC * GPUOS_WARP * 4)
 
 /* Queries an item takes with NS = D / 32 (a power of two) output dims per lane. */
 __host__ __device__ constexpr int gpuos_attn_nq(int ns) {
@@ -158,7 +169,9 @@ __device__ __forceinline__ bool gpuos_attn_fast(const GpuosTask* t, int d) {
   const bool half = dt == GPUOS_DTYPE_F16 || dt == GPUOS_DTYPE_BF16;
   const bool same = t->in[1].dtype == dt && t->in[2].dtype == dt;
   const bool dims = d == 32 || d == 64 || d == 128 || d == 256;
-  return GPUOS_SM80 && half && same && dims && gpuos_attn_rows16(t->in[1]) &&
+  const bool smem = gpuos_dynamic_smem_bytes() >=
+                    GPUOS_ATTN_WARPS * (GPUOS_ATTN_WARP_SMEM + GPUOS_ATTN_OUT_SMEM);
+  return GPUOS_SM80 && half && same && dims && smem && gpuos_attn_rows16(t->in[1]) &&
          gpuos_attn_rows16(t->in[2]);
 }
 
@@ -179,8 +192,7 @@ __device__ __forceinline__ GpuosAttnPlan gpuos_attn_plan(const GpuosTask* t) {
   p.counters = reinterpret_cast<unsigned int*>(const_cast<char*>(ws)) + GPUOS_ATTN_HEADER;
   p.parts = reinterpret_cast<float*>(p.counters + gpuos_linear_counters(groups));
   p.fast = gpuos_attn_fast(t, p.d);
-  p.warps = gpuos_load_i32(ws + 16) != 0 && p.fast &&
-            gpuos_dynamic_smem_bytes() >= GPUOS_ATTN_WARPS * GPUOS_ATTN_WARP_SMEM;
+  p.warps = gpuos_load_i32(ws + 16) != 0 && p.fast; /* its staging areas: fast checked them */
   return p;
 }
 
@@ -264,25 +276,22 @@ struct GpuosAttnAcc {
   }
 };
 
-/* NS 16-bit values of one row for one lane, as loaded (two to a word): widened only when used,
- * so that a batch of keys in flight costs NS / 2 registers each. */
+/* The NS (4 or 8) 16-bit values of one row a lane owns on the CUDA-core value pass, as loaded
+ * (two to a word): widened only when used, so that a batch of keys in flight costs NS / 2
+ * registers each. */
 template <int NS>
 struct GpuosAttnRaw {
-  static constexpr int WORDS = (NS + 1) / 2;
-  unsigned int w[WORDS];
+  static_assert(NS == 4 || NS == 8, "the CUDA-core value pass takes D >= 128");
+  unsigned int w[NS / 2];
 
-  /* The NS values at p (aligned to 2 NS bytes) with one load. */
+  /* The values at p (aligned to 2 NS bytes) with one load. */
   __device__ __forceinline__ void load(const char* p) {
-    if (NS == 1) {
-      w[0] = gpuos_ld_u16(p);
-    } else if (NS == 2) {
-      w[0] = gpuos_ld_u32(p);
-    } else if (NS == 4) {
+    if (NS == 4) {
       const uint2 u = __ldcg(reinterpret_cast<const uint2*>(p));
-      w[0] = u.x, w[WORDS - 1] = u.y;
+      w[0] = u.x, w[1 % (NS / 2)] = u.y;
     } else {
       const uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
-      w[0] = u.x, w[1 % WORDS] = u.y, w[2 % WORDS] = u.z, w[3 % WORDS] = u.w;
+      w[0] = u.x, w[1 % (NS / 2)] = u.y, w[2 % (NS / 2)] = u.z, w[3 % (NS / 2)] = u.w;
     }
   }
   template <bool BF16>
@@ -306,26 +315,36 @@ __device__ __forceinline__ void gpuos_attn_prefetch(const GpuosAttnItem& it, int
   for (int at = 0; at < bytes; at += 128) gpuos_prefetch_line(row + at);
 }
 
+/* Lane (g, c)'s 16 bytes at 16 c + 64 s of rows kb + g (a) and kb + g + 8 (b) of m, for the
+ * 32-dim steps s = s0 .. s0 + N - 1; rows past k1 read row k1 - 1 (valid memory; masked later).
+ * K's are the A operand of the scores' products, as linear.cuh loads W; V's are the blocks the
+ * value products transpose. */
+template <int N>
+__device__ __forceinline__ void gpuos_attn_rows(const GpuosKeys& m, int kb, int k1, int s0,
+                                                uint4 (&a)[N], uint4 (&b)[N]) {
+  const int lane = threadIdx.x % GPUOS_WARP, g = lane >> 2, q = lane & 3;
+  const char* first = m.key(min(kb + g, k1 - 1)) + 16 * q + 64 * s0;
+  const char* second = m.key(min(kb + g + 8, k1 - 1)) + 16 * q + 64 * s0;
+#pragma unroll
+  for (int s = 0; s < N; ++s) {
+    a[s] = __ldcg(reinterpret_cast<const uint4*>(first + 64 * s));
+    b[s] = __ldcg(reinterpret_cast<const uint4*>(second + 64 * s));
+  }
+}
+
 /* Scores q . k of the tile at kb, unscaled, for lane (g, c): c[0], c[1] key g with queries 2c,
- * 2c + 1; c[2], c[3] key g + 8. Keys past k1 read row k1 - 1 (valid memory; masked later).
- * `qrow`: shared address of this lane's query row g at dims 8c, meaningful for g < NQ (the
- * products' other queries are zeros). */
+ * 2c + 1; c[2], c[3] key g + 8. Keys past k1 are masked later. `qrow`: shared address of this
+ * lane's query row g at dims 8c, meaningful for g < NQ (the products' other queries are zeros). */
 template <int NS, int NQ, bool BF16>
 __device__ __forceinline__ void gpuos_attn_scores(const GpuosAttnItem& it, int kb,
                                                   unsigned int qrow, float (&c)[4]) {
   constexpr int BATCH = NS < 2 ? NS : 2; /* 32-dim steps whose loads are in flight together */
-  const int lane = threadIdx.x % GPUOS_WARP, g = lane >> 2, q = lane & 3;
-  const char* first = it.k.key(min(kb + g, it.k1 - 1)) + 16 * q;
-  const char* second = it.k.key(min(kb + g + 8, it.k1 - 1)) + 16 * q;
+  const int g = (threadIdx.x % GPUOS_WARP) >> 2;
   c[0] = c[1] = c[2] = c[3] = 0.0f;
 #pragma unroll
   for (int s0 = 0; s0 < NS; s0 += BATCH) {
     uint4 a[BATCH], b[BATCH];
-#pragma unroll
-    for (int s = 0; s < BATCH; ++s) {
-      a[s] = __ldcg(reinterpret_cast<const uint4*>(first + 64 * (s0 + s)));
-      b[s] = __ldcg(reinterpret_cast<const uint4*>(second + 64 * (s0 + s)));
-    }
+    gpuos_attn_rows(it.k, kb, it.k1, s0, a, b);
 #pragma unroll
     for (int s = 0; s < BATCH; ++s) {
       const uint4 x = g < NQ ? gpuos_lds16(qrow + 64 * (s0 + s)) : make_uint4(0, 0, 0, 0);
@@ -348,7 +367,8 @@ __device__ __forceinline__ float gpuos_attn_sum8(float v) {
   return v;
 }
 
-/* Keys whose values a lane has in flight at once: GPUOS_ATTN_VBATCH, half that for D = 256. */
+/* Keys whose values a lane has in flight at once on the CUDA-core value pass: GPUOS_ATTN_VBATCH,
+ * half that for D = 256. */
 template <int NS>
 __device__ __forceinline__ constexpr int gpuos_attn_vb() {
   return NS < 8 ? GPUOS_ATTN_VBATCH : GPUOS_ATTN_VBATCH / 2;
@@ -363,9 +383,9 @@ __device__ __forceinline__ void gpuos_attn_load_values(const GpuosAttnItem& it, 
   for (int u = 0; u < VB; ++u) raw[u].load(it.v.key(min(kb + u, it.k1 - 1)) + ofs);
 }
 
-/* acc = acc * alpha + p^T V over the tile at kb, from its probabilities in shared memory (zero
- * past k1), gpuos_attn_vb keys' loads in flight at once; `raw` holds the first batch, loaded by
- * the caller (before the tile's scores where registers allow, so that it travels with the keys). */
+/* acc = acc * alpha + p^T V over the tile at kb on CUDA cores (D >= 128), from its
+ * probabilities in shared memory (zero past k1), gpuos_attn_vb keys' loads in flight at once;
+ * `raw` holds the first batch, loaded by the caller after the tile's scores. */
 template <int NS, int NQ, bool BF16, int VB>
 __device__ __forceinline__ void gpuos_attn_values(const GpuosAttnItem& it, int kb,
                                                   const float (&p)[GPUOS_ATTN_TILE][GPUOS_ATTN_MAX_Q],
@@ -395,32 +415,107 @@ __device__ __forceinline__ void gpuos_attn_values(const GpuosAttnItem& it, int k
   }
 }
 
+/* The 8 x 8 matrix of 16-bit values whose row g, columns 2c and 2c + 1 lane (g, c) holds in v,
+ * transposed: lane (g, c) gets row g, columns 2c and 2c + 1 of the transpose. */
+__device__ __forceinline__ unsigned int gpuos_attn_trans(unsigned int v) {
+  unsigned int t;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(t) : "r"(v));
+  return t;
+}
+
+/* Two floats as 16-bit codes in one word, lo in the low half. */
+template <bool BF16>
+__device__ __forceinline__ unsigned int gpuos_attn_pack(float lo, float hi) {
+  const int dt = BF16 ? GPUOS_DTYPE_BF16 : GPUOS_DTYPE_F16;
+  return gpuos_f32_to_16(dt, lo) | static_cast<unsigned int>(gpuos_f32_to_16(dt, hi)) << 16;
+}
+
+/* The dim of row g of a value product's fragment, for 32-dim step s and word w (0 .. 3) of the
+ * lanes' 16-byte loads: block (s, w) holds dims 32 s + 8 c + 2 w, + 1 in lane (g, c), so row g
+ * of its transpose is column pair g / 2, element g % 2. */
+__device__ __forceinline__ int gpuos_attn_tc_dim(int s, int w, int g) {
+  return 32 * s + 8 * (g >> 1) + 2 * w + (g & 1);
+}
+
+/* o += V^T P^T over one tile: o[2 s + h] is the product of rows (dims) gpuos_attn_tc_dim(s, 2 h, g)
+ * (o[.][0], o[.][1]: queries 2c, 2c + 1) and gpuos_attn_tc_dim(s, 2 h + 1, g) (o[.][2], o[.][3]);
+ * lo, hi: V's rows (gpuos_attn_rows), b0, b1: this lane's probabilities of queries g for keys
+ * 2c, 2c + 1 and 2c + 8, 2c + 9. */
+template <int NS, bool BF16>
+__device__ __forceinline__ void gpuos_attn_values_tc(const uint4 (&lo)[NS], const uint4 (&hi)[NS],
+                                                     unsigned int b0, unsigned int b1,
+                                                     float (&o)[2 * NS][4]) {
+#pragma unroll
+  for (int s = 0; s < NS; ++s) {
+    const unsigned int a[4] = {lo[s].x, lo[s].y, lo[s].z, lo[s].w};
+    const unsigned int b[4] = {hi[s].x, hi[s].y, hi[s].z, hi[s].w};
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      gpuos_mma16816<BF16>(o[2 * s + h], gpuos_attn_trans(a[2 * h]),
+                           gpuos_attn_trans(a[2 * h + 1]), gpuos_attn_trans(b[2 * h]),
+                           gpuos_attn_trans(b[2 * h + 1]), b0, b1);
+  }
+}
+
+/* The value products' outputs into the accumulators' layout (acc.v[j][e]: query j, dim
+ * NS lane + e), through this warp's GPUOS_ATTN_OUT_SMEM bytes of gpuos_dynamic_smem. */
+template <int NS, int NQ>
+__device__ __forceinline__ void gpuos_attn_tc_out(const float (&o)[2 * NS][4],
+                                                  GpuosAttnAcc<NQ, NS>& acc) {
+  const int lane = threadIdx.x % GPUOS_WARP, g = lane >> 2, c = lane & 3;
+  constexpr int D = GPUOS_WARP * NS;
+  float* out = reinterpret_cast<float*>(gpuos_dynamic_smem +
+                                        GPUOS_ATTN_WARPS * GPUOS_ATTN_WARP_SMEM) +
+               (threadIdx.x / GPUOS_WARP) * (GPUOS_ATTN_OUT_SMEM / 4);
+#pragma unroll
+  for (int s = 0; s < NS; ++s) {
+#pragma unroll
+    for (int r = 0; r < 8; ++r) { /* fragment 2 s + r / 4, element r % 4 */
+      const int j = 2 * c + (r & 1), w = 2 * (r / 4) + ((r >> 1) & 1);
+      if (j < NQ) out[j * D + gpuos_attn_tc_dim(s, w, g)] = o[2 * s + r / 4][r % 4];
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < NQ; ++j) {
+#pragma unroll
+    for (int e = 0; e < NS; ++e) acc.v[j][e] = out[j * D + NS * lane + e];
+  }
+  __syncwarp(); /* read before the warp's next item writes */
+}
+
 /* This warp's tiles of the item on tensor cores, at keys first, first + step, ... (step: 16 in
- * warp mode, 128 in block mode) over queries staged at shared address `qs`; publishes its maxima
- * and sums per query. The rows GPUOS_ATTN_ALIGN keys ahead are asked of L2 as it goes. */
+ * warp mode, 128 in block mode) over queries staged at shared address `qs`; its outputs into acc
+ * and its maxima and sums per query published. The rows GPUOS_ATTN_ALIGN keys ahead are asked
+ * of L2 as it goes. */
 template <int NS, int NQ, bool BF16>
 __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const GpuosAttnPlan& p,
                                                     const GpuosAttnItem& it, GpuosAttnShared& sh,
                                                     GpuosAttnAcc<NQ, NS>& acc, int first, int step,
                                                     unsigned int qs) {
+  /* The value pass on tensor cores for D <= 64; at D = 128 its 32 accumulators and 32 registers
+   * of values spill (H200: 9% slower than on CUDA cores at 64 requests, 32% with grouped heads) */
+  constexpr bool TC = NS <= 2;
   const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
   const int g = lane >> 2, c = lane & 3, bytes = 2 * p.d;
   const float scale = t->scalars[0], none = gpuos_neg_inf();
   const unsigned int qrow = qs + g * gpuos_attn_qpitch(p.d) + 16 * c;
   float (&prob)[GPUOS_ATTN_TILE][GPUOS_ATTN_MAX_Q] = sh.tile[warp].p;
   float m0 = none, m1 = none, l0 = 0.0f, l1 = 0.0f; /* queries 2c and 2c + 1 */
+  float o[2 * NS][4] = {};                           /* TC: the value products' fragments */
   GPUOS_ROLLED
   for (int kb = first; kb < first + GPUOS_ATTN_ALIGN; kb += step)
     gpuos_attn_prefetch(it, kb, bytes);
   GPUOS_ROLLED
   for (int kb = first; kb < it.k1; kb += step) {
     gpuos_attn_prefetch(it, kb + GPUOS_ATTN_ALIGN, bytes);
-    /* the first values travel with the keys where registers allow (D <= 64) */
-    GpuosAttnRaw<NS> raw[gpuos_attn_vb<NS>()];
-    if (NS <= 2) gpuos_attn_load_values(it, kb, raw);
+    /* TC: the values travel with the keys; else their first batch comes after the scores */
+    uint4 vlo[NS], vhi[NS];                    /* TC */
+    GpuosAttnRaw<TC ? 4 : NS> raw[gpuos_attn_vb<NS>()]; /* else (TC: unused) */
+    if (TC) gpuos_attn_rows(it.v, kb, it.k1, 0, vlo, vhi);
     float s[4];
     gpuos_attn_scores<NS, NQ, BF16>(it, kb, qrow, s);
-    if (NS > 2) gpuos_attn_load_values(it, kb, raw);
+    if (!TC) gpuos_attn_load_values(it, kb, raw);
     const bool in0 = kb + g < it.k1, in1 = kb + g + 8 < it.k1;
     s[0] = in0 ? scale * s[0] : none, s[1] = in0 ? scale * s[1] : none;
     s[2] = in1 ? scale * s[2] : none, s[3] = in1 ? scale * s[3] : none;
@@ -431,13 +526,23 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
     const float p0 = gpuos_exp_diff(s[0], n0), p1 = gpuos_exp_diff(s[1], n1);
     const float p2 = gpuos_exp_diff(s[2], n0), p3 = gpuos_exp_diff(s[3], n1);
     l0 = l0 * a0 + p0 + p2, l1 = l1 * a1 + p1 + p3, m0 = n0, m1 = n1;
-    *reinterpret_cast<float2*>(&prob[g][2 * c]) = make_float2(p0, p1);
-    *reinterpret_cast<float2*>(&prob[g + 8][2 * c]) = make_float2(p2, p3);
-    if (g == 0) *reinterpret_cast<float2*>(&sh.tile[warp].alpha[2 * c]) = make_float2(a0, a1);
-    __syncwarp();
-    gpuos_attn_values<NS, NQ, BF16>(it, kb, prob, sh.tile[warp].alpha, acc, raw);
-    __syncwarp(); /* every lane read the tile's probabilities before the next overwrites them */
+    if constexpr (TC) {
+#pragma unroll
+      for (int f = 0; f < 2 * NS; ++f) o[f][0] *= a0, o[f][1] *= a1, o[f][2] *= a0, o[f][3] *= a1;
+      /* lane (g, c) holds keys g and g + 8 of queries 2c, 2c + 1: transposed, B's queries g */
+      const unsigned int b0 = gpuos_attn_trans(gpuos_attn_pack<BF16>(p0, p1));
+      const unsigned int b1 = gpuos_attn_trans(gpuos_attn_pack<BF16>(p2, p3));
+      gpuos_attn_values_tc<NS, BF16>(vlo, vhi, b0, b1, o);
+    } else {
+      *reinterpret_cast<float2*>(&prob[g][2 * c]) = make_float2(p0, p1);
+      *reinterpret_cast<float2*>(&prob[g + 8][2 * c]) = make_float2(p2, p3);
+      if (g == 0) *reinterpret_cast<float2*>(&sh.tile[warp].alpha[2 * c]) = make_float2(a0, a1);
+      __syncwarp();
+      gpuos_attn_values<NS, NQ, BF16>(it, kb, prob, sh.tile[warp].alpha, acc, raw);
+      __syncwarp(); /* every lane read the tile's probabilities before the next overwrites them */
+    }
   }
+  if constexpr (TC) gpuos_attn_tc_out<NS, NQ>(o, acc);
   l0 = gpuos_attn_sum8(l0), l1 = gpuos_attn_sum8(l1);
   if (g == 0 && 2 * c < NQ) sh.m[warp][2 * c] = m0, sh.l[warp][2 * c] = l0;
   if (g == 0 && 2 * c + 1 < NQ) sh.m[warp][2 * c + 1] = m1, sh.l[warp][2 * c + 1] = l1;
