@@ -221,6 +221,11 @@ __device__ __forceinline__ unsigned short gpuos_f32_to_16(int dtype, float v) {
   return dtype == GPUOS_DTYPE_F16 ? gpuos_f32_to_f16(v) : gpuos_f32_to_bf16(v);
 }
 
+/* Two floats' 16-bit codes in `dtype` as one word, lo in its low half (memory order). */
+__device__ __forceinline__ unsigned int gpuos_f32x2_to_16(int dtype, float lo, float hi) {
+  return gpuos_f32_to_16(dtype, lo) | static_cast<unsigned int>(gpuos_f32_to_16(dtype, hi)) << 16;
+}
+
 /* `v` rounded to a float `dtype` and widened back: what storing it and loading it again reads. */
 __device__ __forceinline__ float gpuos_round_to(int dtype, float v) {
   if (dtype == GPUOS_DTYPE_F16) return gpuos_f16_to_f32(gpuos_f32_to_f16(v));
@@ -327,10 +332,8 @@ __device__ __forceinline__ void gpuos_store4(const GpuosTensorRef& ref, int64_t 
     *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
     return;
   }
-  unsigned int h[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) h[j] = gpuos_f32_to_16(ref.dtype, v[j]);
-  *reinterpret_cast<uint2*>(p) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+  *reinterpret_cast<uint2*>(p) = make_uint2(gpuos_f32x2_to_16(ref.dtype, v[0], v[1]),
+                                            gpuos_f32x2_to_16(ref.dtype, v[2], v[3]));
 }
 
 /* ---- index arithmetic ----------------------------------------------------------------------- */

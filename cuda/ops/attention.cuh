@@ -286,12 +286,12 @@ struct GpuosAttnRaw {
 
   /* The values at p (aligned to 2 NS bytes) with one load. */
   __device__ __forceinline__ void load(const char* p) {
-    if (NS == 4) {
+    if constexpr (NS == 4) {
       const uint2 u = __ldcg(reinterpret_cast<const uint2*>(p));
-      w[0] = u.x, w[1 % (NS / 2)] = u.y;
+      w[0] = u.x, w[1] = u.y;
     } else {
       const uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
-      w[0] = u.x, w[1 % (NS / 2)] = u.y, w[2 % (NS / 2)] = u.z, w[3 % (NS / 2)] = u.w;
+      w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
     }
   }
   template <bool BF16>
@@ -423,13 +423,6 @@ __device__ __forceinline__ unsigned int gpuos_attn_trans(unsigned int v) {
   return t;
 }
 
-/* Two floats as 16-bit codes in one word, lo in the low half. */
-template <bool BF16>
-__device__ __forceinline__ unsigned int gpuos_attn_pack(float lo, float hi) {
-  const int dt = BF16 ? GPUOS_DTYPE_BF16 : GPUOS_DTYPE_F16;
-  return gpuos_f32_to_16(dt, lo) | static_cast<unsigned int>(gpuos_f32_to_16(dt, hi)) << 16;
-}
-
 /* The dim of row g of a value product's fragment, for 32-dim step s and word w (0 .. 3) of the
  * lanes' 16-byte loads: block (s, w) holds dims 32 s + 8 c + 2 w, + 1 in lane (g, c), so row g
  * of its transpose is column pair g / 2, element g % 2. */
@@ -530,8 +523,9 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
 #pragma unroll
       for (int f = 0; f < 2 * NS; ++f) o[f][0] *= a0, o[f][1] *= a1, o[f][2] *= a0, o[f][3] *= a1;
       /* lane (g, c) holds keys g and g + 8 of queries 2c, 2c + 1: transposed, B's queries g */
-      const unsigned int b0 = gpuos_attn_trans(gpuos_attn_pack<BF16>(p0, p1));
-      const unsigned int b1 = gpuos_attn_trans(gpuos_attn_pack<BF16>(p2, p3));
+      const int dt = BF16 ? GPUOS_DTYPE_BF16 : GPUOS_DTYPE_F16;
+      const unsigned int b0 = gpuos_attn_trans(gpuos_f32x2_to_16(dt, p0, p1));
+      const unsigned int b1 = gpuos_attn_trans(gpuos_f32x2_to_16(dt, p2, p3));
       gpuos_attn_values_tc<NS, BF16>(vlo, vhi, b0, b1, o);
     } else {
       *reinterpret_cast<float2*>(&prob[g][2 * c]) = make_float2(p0, p1);

@@ -184,8 +184,7 @@ struct GpuosLinearSink {
   __device__ void store2(int m, int n, float v0, float v1) const {
     char* at = data + (m * ors + n * cs) * size;
     if (pair && n + 1 < outputs) {
-      const unsigned int lo = gpuos_f32_to_16(dtype, v0), hi = gpuos_f32_to_16(dtype, v1);
-      *reinterpret_cast<unsigned int*>(at) = lo | hi << 16;
+      *reinterpret_cast<unsigned int*>(at) = gpuos_f32x2_to_16(dtype, v0, v1);
       return;
     }
     if (n < outputs) gpuos_store_ptr(at, dtype, v0);

@@ -279,18 +279,19 @@ class ProgramOps:
         )
 
     def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
-        eps = self.config.norm_eps
-        if norm.bias is not None:
-            return self._add("layernorm", x, norm.weight, norm.bias, eps=eps)
-        return self._add("rmsnorm", x, norm.weight, eps=eps)
+        return self._normed("", norm, x)
 
     def add_norm(
         self, x: torch.Tensor, y: torch.Tensor, norm: Norm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = self.config.norm_eps
-        if norm.bias is not None:
-            return x, self._add("add_layernorm", x, y, norm.weight, norm.bias, eps=eps)
-        return x, self._add("add_rmsnorm", x, y, norm.weight, eps=eps)
+        return x, self._normed("add_", norm, x, y)
+
+    def _normed(self, prefix: str, norm: Norm, *rows: torch.Tensor) -> torch.Tensor:
+        """LayerNorm (the norm has a bias) or RMSNorm of `rows`, through the catalogue operator
+        `prefix` names ("add_": the fused residual add of the two rows given)."""
+        kind = "rmsnorm" if norm.bias is None else "layernorm"
+        weights = (norm.weight,) if norm.bias is None else (norm.weight, norm.bias)
+        return self._add(prefix + kind, *rows, *weights, eps=self.config.norm_eps)
 
     def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
         bias = () if linear.bias is None else (linear.bias,)
