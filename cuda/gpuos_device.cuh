@@ -305,18 +305,18 @@ __device__ __forceinline__ bool gpuos_aligned4(const GpuosTensorRef& ref, int64_
 }
 
 /* The 4 contiguous elements of `dtype` at byte address `p` (aligned to 4 elements) with one
- * vector load. */
+ * vector load. Branch-free like gpuos_load_ptr (a predicated load of each width, then selects),
+ * so that the loads of several tensors of different dtypes are in flight together. */
 __device__ __forceinline__ void gpuos_load4_ptr(const char* p, int dtype, float (&v)[4]) {
-  if (dtype == GPUOS_DTYPE_F32) {
-    const float4 f = __ldcg(reinterpret_cast<const float4*>(p));
-    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-    return;
-  }
-  const uint2 w = __ldcg(reinterpret_cast<const uint2*>(p));
+  const bool wide = dtype == GPUOS_DTYPE_F32;
+  const uint4 f = wide ? __ldcg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+  const uint2 w = wide ? make_uint2(0, 0) : __ldcg(reinterpret_cast<const uint2*>(p));
+  const unsigned int words[4] = {f.x, f.y, f.z, f.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const unsigned short h = static_cast<unsigned short>((j < 2 ? w.x : w.y) >> (16 * (j & 1)));
-    v[j] = dtype == GPUOS_DTYPE_F16 ? gpuos_f16_to_f32(h) : gpuos_bf16_to_f32(h);
+    const float half = dtype == GPUOS_DTYPE_F16 ? gpuos_f16_to_f32(h) : gpuos_bf16_to_f32(h);
+    v[j] = wide ? __uint_as_float(words[j]) : half;
   }
 }
 
@@ -498,10 +498,10 @@ __device__ __forceinline__ void gpuos_row_each(const GpuosRow& row, int64_t n, F
 
 /* gpuos_row_each over two rows of the same length together: f(j, a[j], b[j]), with the loads of
  * both rows GPUOS_ILP at a time in flight (past the end, element first is loaded and f is not
- * called). f may store to a[j] or b[j]: both are loaded first. */
-template <class G, class F>
-__device__ __forceinline__ void gpuos_row_each2(const GpuosRow& a, const GpuosRow& b, int64_t n,
-                                                F f) {
+ * called). f may store to a[j] or b[j]: both are loaded first. B: anything with `load(j)` (a
+ * GpuosRow, or a sum of rows). */
+template <class G, class B, class F>
+__device__ __forceinline__ void gpuos_row_each2(const GpuosRow& a, const B& b, int64_t n, F f) {
   const int64_t first = G::rank(), step = G::size();
   GPUOS_ROLLED
   for (int64_t k0 = first; k0 < n; k0 += GPUOS_ILP * step) {
@@ -584,20 +584,28 @@ struct GpuosBlockGroup {
 /* Rows at most this long go one per warp even when the task has fewer rows than warps. */
 #define GPUOS_WARP_ROW_MAX 256
 
-/* Run `Op::run<G>(t, r)` for every row r of the task, with G a warp when rows are short or plenty
- * (no barriers, every warp busy), else the whole block. The choice depends on the task only, so
- * it is uniform over the block, which the block group's barriers require. `len` is the row length
- * the choice is based on. */
+/* Whether rows of length `len` go a warp each (short rows, or plenty: no barriers, every warp
+ * busy), else the whole block each. Depends on the task only, so it is uniform over the block,
+ * which the block group's barriers require. */
+__device__ __forceinline__ bool gpuos_rows_by_warp(const GpuosTask* t, int64_t len) {
+  const int64_t rows = t->range_end - t->range_begin;
+  return rows >= static_cast<int64_t>(GpuosWarpGroup::count()) || len <= GPUOS_WARP_ROW_MAX;
+}
+
+/* f(r) for each row r of the task that group G's instance of this thread takes. */
+template <class G, class F>
+__device__ __forceinline__ void gpuos_each_row(const GpuosTask* t, F f) {
+  GPUOS_ROLLED
+  for (int64_t r = t->range_begin + G::index(); r < t->range_end; r += G::count()) f(r);
+}
+
+/* Run `Op::run<G>(t, r)` for every row r of the task, G as gpuos_rows_by_warp picks (`len`: the
+ * row length the choice is based on). */
 template <class Op>
 __device__ __forceinline__ void gpuos_for_rows(const GpuosTask* t, int64_t len) {
-  const int64_t rows = t->range_end - t->range_begin;
-  if (rows >= static_cast<int64_t>(GpuosWarpGroup::count()) || len <= GPUOS_WARP_ROW_MAX) {
-    GPUOS_ROLLED
-    for (int64_t r = t->range_begin + GpuosWarpGroup::index(); r < t->range_end;
-         r += GpuosWarpGroup::count())
-      Op::template run<GpuosWarpGroup>(t, r);
+  if (gpuos_rows_by_warp(t, len)) {
+    gpuos_each_row<GpuosWarpGroup>(t, [&](int64_t r) { Op::template run<GpuosWarpGroup>(t, r); });
   } else {
-    GPUOS_ROLLED
-    for (int64_t r = t->range_begin; r < t->range_end; ++r) Op::template run<GpuosBlockGroup>(t, r);
+    gpuos_each_row<GpuosBlockGroup>(t, [&](int64_t r) { Op::template run<GpuosBlockGroup>(t, r); });
   }
 }

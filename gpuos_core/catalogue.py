@@ -196,6 +196,7 @@ def _builtin() -> dict[str, OpSpec]:
         _fixed("gather_rows", "gather_rows", 2, 2),  # embedding lookups
         _fixed("sample_tokens", "sample_tokens", 3, 3),
         _fixed("linear", "linear", 3, 2),  # x @ weight.T [+ bias]
+        _fixed("linear_parts", "linear_parts", 3, 2),  # its K splits' sums, for add_*norm
         _fixed("feed_tokens", "feed_tokens", 4, 4),  # the LLM engine's chained steps
         _fixed("tick", "tick", 1, 1),
     ]

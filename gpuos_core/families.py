@@ -207,6 +207,17 @@ class RowFamily(Family):
         return self._fn(xs, p.scalars)
 
 
+def _residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y, or the sum of its partial sums y[0] + y[1] + ... in that order when it has a dim more
+    than x (as addnorm.cuh adds them)."""
+    if y.dim() == x.dim():
+        return y
+    total = y[0].clone()
+    for part in y[1:]:
+        total += part
+    return total
+
+
 def _layernorm(xs: Tensors, s: tuple[float, ...]) -> torch.Tensor:
     n = xs[0].shape[-1]
     w, b = (list(xs[1:]) + [None, None])[:2]
@@ -222,8 +233,10 @@ def _rmsnorm(xs: Tensors, s: tuple[float, ...]) -> torch.Tensor:
 class AddNormFamily(RowFamily):
     """Fused residual add + norm (vLLM's fused_add_rms_norm), inputs (x, y, weight?, bias?): per
     row, x = (x + y) rounded to x's dtype, in place, and out = norm(x) with the row's 1-D
-    parameters. The reference (`compute`) returns out only, rounding the sum to x's dtype as it
-    is given (none when the inputs are widened, as the tests' float64 references are)."""
+    parameters. y may also be [S, *x.shape], the S partial sums of a linear_parts, standing for
+    their sum in split order (fp32). The reference (`compute`) returns out only, rounding the sum
+    to x's dtype as it is given (none when the inputs are widened, as the tests' float64
+    references are)."""
 
     header = "ops/addnorm.cuh"
     inputs_written = (0,)
@@ -231,10 +244,12 @@ class AddNormFamily(RowFamily):
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
         x, y = inputs[:2]
         _check_ndim(x.shape, f"{self.name} input 0 (x)", least=1)
-        if y.shape != x.shape:
+        parts = y.dim() == x.dim() + 1 and y.shape[1:] == x.shape
+        if y.shape != x.shape and not (parts and 1 <= y.shape[0] <= LINEAR_MAX_PARTS):
             raise TensorSpecError(
                 f"{self.name}: input 1 (the residual y) must have the shape of "
-                f"input 0 (x) {tuple(x.shape)}, got {tuple(y.shape)}"
+                f"input 0 (x) {tuple(x.shape)}, or be [S, *that] with 1 <= S <= "
+                f"{LINEAR_MAX_PARTS} partial sums, got {tuple(y.shape)}"
             )
         if any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride())):
             raise TensorSpecError(
@@ -246,13 +261,14 @@ class AddNormFamily(RowFamily):
         return Layout(tuple(inputs), tuple(x.shape), tuple(x.shape), _rows(x.shape))
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
-        return self._fn([(xs[0] + xs[1]).to(xs[0].dtype), *xs[2:]], p.scalars)
+        x = xs[0]
+        return self._fn([(x + _residual(x, xs[1])).to(x.dtype), *xs[2:]], p.scalars)
 
     def execute(
         self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
     ) -> None:
         x, y, params = xs[0], xs[1], xs[2:]
-        summed = (x.float() + y.float()).to(x.dtype)  # torch's (x + y).to(x.dtype)
+        summed = (x.float() + _residual(x, y.float())).to(x.dtype)  # torch's (x + y).to(x.dtype)
         write_items(x, summed, begin, end, True)
         value = self._fn([summed.float(), *(w.float() for w in params)], p.scalars)
         write_items(out, value, begin, end, True)
@@ -627,6 +643,9 @@ LINEAR_KSTEP = 32  # k per step
 LINEAR_STEP_ALIGN = 8  # a split's steps come in multiples of this
 LINEAR_PART_ROWS = 16  # rows of a partial block are rounded up to this
 LINEAR_MAX_SPLITS = 64
+# linear_parts hands its consumer at most this many partial sums (addnorm.cuh's
+# GPUOS_ADDNORM_MAX_PARTS: the loads of an element's parts are issued together).
+LINEAR_MAX_PARTS = 6
 LINEAR_ITEM_COST = 4  # what starting an item costs, in steps of one tile (plan's cost model)
 # What splitting K costs on top of the partials' bytes, in the same steps: the count-in and the
 # last split's round trips to L2 for the partials (traced on the H200: ~3.5 us at 1 row, ~7 us
@@ -656,6 +675,7 @@ class LinearPlan:
     n: int  # outputs
     k: int  # inner dim
     splits: int  # K splits (1: no workspace)
+    parts: bool = False  # linear_parts: the splits' sums are the output, never combined
 
     @property
     def mblocks(self) -> int:
@@ -691,61 +711,92 @@ class LinearPlan:
 
     @property
     def workspace_words(self) -> int:
-        if self.splits == 1:
+        if self.splits == 1 or self.parts:
             return 0
         return self.counters + self.splits * self.tiles * self.prows * LINEAR_COLS
 
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """The k range [k0, k1) of each split."""
+        width = self.kch * LINEAR_KSTEP
+        return [(s * width, min(self.k, (s + 1) * width)) for s in range(self.splits)]
+
     @classmethod
-    def choose(cls, m: int, n: int, k: int, sms: int) -> LinearPlan:
+    def choose(cls, m: int, n: int, k: int, sms: int, parts: bool = False) -> LinearPlan:
         """The split of K that should finish soonest on `sms` multiprocessors (a block each): enough
-        items to occupy them, against the cost of writing and summing partials."""
+        items to occupy them, against the cost of writing and summing partials. `parts`: for
+        linear_parts (at most LINEAR_MAX_PARTS splits, which its consumer sums)."""
         steps = _ceil_div(k, LINEAR_KSTEP)
-        plans = [cls(m, n, k, s) for s in range(1, min(steps, LINEAR_MAX_SPLITS) + 1)]
+        most = LINEAR_MAX_PARTS if parts else LINEAR_MAX_SPLITS
+        plans = [cls(m, n, k, s, parts) for s in range(1, min(steps, most) + 1)]
         valid = [p for p in plans if p.splits == 1 or _ceil_div(steps, p.kch) == p.splits]
-        return min(valid or [cls(m, n, k, 1)], key=lambda p: (p._cost(sms), p.splits))
+        return min(valid or [cls(m, n, k, 1, parts)], key=lambda p: (p._cost(sms), p.splits))
 
     def _cost(self, sms: int) -> float:
         """Time in steps of one tile (4 KB of weights): the busiest block's items (each also
         writes its partial block when K is split), then the count-in and the last split's sum
-        of the partials."""
+        of the partials; in parts mode, the consumer's extra loads of the parts instead (in its
+        one round trip for the row, spread over its records)."""
         if self.items == 0:
             return 0.0
         partial = self.prows / 16 if self.splits > 1 else 0.0  # 4 KB per 16 rows of fp32
-        combine = LINEAR_SPLIT_COST + self.splits * partial / 2 if self.splits > 1 else 0.0
+        if self.parts:
+            combine = self.splits * partial / 8
+        else:
+            combine = LINEAR_SPLIT_COST + self.splits * partial / 2 if self.splits > 1 else 0.0
         return _ceil_div(self.items, sms) * (self.kch + LINEAR_ITEM_COST + partial) + combine
 
     @classmethod
     def of(cls, x: torch.Tensor, w: torch.Tensor, workspace: torch.Tensor) -> LinearPlan:
-        """The plan of encoded inputs, `splits` read from the workspace's length as the device
-        reads it."""
+        """The plan of encoded inputs, `splits` read from the workspace as the device reads it:
+        from its length, or in parts mode (an empty [S, 0] workspace) from its first dim."""
         plan = cls(_rows(x.shape), w.shape[0], x.shape[-1], 1)
+        if workspace.dim() == 2:
+            return replace(plan, splits=workspace.shape[0], parts=True)
         if workspace.numel() == 0:
             return plan
         block = plan.tiles * plan.prows * LINEAR_COLS
         return replace(plan, splits=(workspace.numel() - plan.counters) // block)
 
-    def owned_tiles(self, begin: int, end: int) -> torch.Tensor:
-        """bool [mblocks, ntiles]: the tiles whose split 0 is among items [begin, end), which is
-        where the CPU backend writes each tile (once, whichever records the items form)."""
+    def owned_items(self, begin: int, end: int) -> torch.Tensor:
+        """bool [splits, mblocks, ntiles]: the items among [begin, end)."""
         i = torch.arange(begin, end)
         mb, rest = i % self.mblocks, i // self.mblocks
-        first = rest % self.splits == 0
-        owned = torch.zeros(self.mblocks, self.ntiles, dtype=torch.bool)
-        owned[mb[first], (rest // self.splits)[first]] = True
+        owned = torch.zeros(self.splits, self.mblocks, self.ntiles, dtype=torch.bool)
+        owned[rest % self.splits, mb, rest // self.splits] = True
         return owned
+
+    def owned_outputs(self, begin: int, end: int) -> torch.Tensor:
+        """bool [M, N], or [splits, M, N] in parts mode: the outputs that items [begin, end)
+        write on the CPU backend. Without parts, a tile is written by the record that holds its
+        split 0 (once, whichever records the items form)."""
+        owned = self.owned_items(begin, end)
+        tiles = owned if self.parts else owned[0]
+        rows = tiles.repeat_interleave(LINEAR_ROWS, -2)[..., : self.m, :]
+        return rows.repeat_interleave(LINEAR_COLS, -1)[..., : self.n]
 
 
 class LinearFamily(Family):
     """out = x W^T (+ bias) over x's last dim: torch.nn.functional.linear with Hugging Face's
     weights [out_features, in_features]. The layout picks a LinearPlan and adds inputs 2 (the bias,
-    empty when there is none) and 3 (the split-K workspace); items are the plan's tiles."""
+    empty when there is none) and 3 (the split-K workspace); items are the plan's tiles.
 
-    name, header, macro = "linear", "ops/linear.cuh", "GPUOS_DEFINE_LINEAR"
-    flags = TASK_EARLY  # its records warm their weights into L2 while their x is produced
+    `parts` (linear_parts): out is fp32 [S, *x.shape[:-1], N], the sums of the plan's S ranges of
+    K, split 0's with the bias; their sum is the linear. A consumer that sums them (the fused
+    residual norms) spares the linear its combine. Input 3 is then an empty [S, 0] tensor."""
+
+    header, flags = "ops/linear.cuh", TASK_EARLY  # its records warm their weights while x is made
+
+    def __init__(self, parts: bool = False) -> None:
+        self.parts = parts
+        self.name = "linear_parts" if parts else "linear"
+        self.macro = "GPUOS_DEFINE_LINEAR_PARTS" if parts else "GPUOS_DEFINE_LINEAR"
+        self.out_dtype = torch.float32 if parts else None
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
         x, w, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
-        _check_ndim(x.shape, "linear input 0 (x)", least=1)
+        # parts mode's out has a leading dim more than x
+        _check_ndim((1, *x.shape) if self.parts else x.shape, f"{self.name} input 0 (x)", least=1)
         if w.dim() != 2 or w.shape[1] != x.shape[-1]:
             raise TensorSpecError(
                 f"linear: input 1 (weight) must be [out_features, in_features] with in_features "
@@ -761,27 +812,48 @@ class LinearFamily(Family):
                 f"linear: x, weight and bias must share one dtype, got "
                 f"{', '.join(str(t.dtype) for t in inputs)}"
             )
-        plan = LinearPlan.choose(_rows(x.shape), w.shape[0], x.shape[-1], _sm_count(x.device))
-        workspace = torch.empty(plan.workspace_words, dtype=torch.int32, device=x.device)
-        workspace[: plan.counters].zero_()  # partials are written before they are read
+        m, n, k = _rows(x.shape), w.shape[0], x.shape[-1]
+        plan = LinearPlan.choose(m, n, k, _sm_count(x.device), self.parts)
+        if self.parts:
+            workspace = torch.empty((plan.splits, 0), dtype=torch.int32, device=x.device)
+        else:
+            workspace = torch.empty(plan.workspace_words, dtype=torch.int32, device=x.device)
+            workspace[: plan.counters].zero_()  # partials are written before they are read
         views = (x, w, bias if bias is not None else x.new_empty(0), workspace)
-        shape = tuple(x.shape[:-1]) + (w.shape[0],)
+        shape = ((plan.splits,) if self.parts else ()) + tuple(x.shape[:-1]) + (n,)
         return Layout(views, shape, shape, plan.items)
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
+        x, w = xs[0], xs[1]
         bias = xs[2] if len(xs) > 2 and xs[2].numel() else None
-        return torch.nn.functional.linear(xs[0], xs[1], bias)
+        if not self.parts:
+            return torch.nn.functional.linear(x, w, bias)
+        bounds = self._plan(xs).bounds
+        return torch.stack(
+            [
+                torch.nn.functional.linear(x[..., k0:k1], w[:, k0:k1], bias if s == 0 else None)
+                for s, (k0, k1) in enumerate(bounds)
+            ]
+        )
+
+    def _plan(self, xs: Tensors) -> LinearPlan:
+        """The plan of laid-out inputs, or of the call's own (x, w, bias?) as layout picks it."""
+        x, w = xs[0], xs[1]
+        if len(xs) > 3:
+            return LinearPlan.of(x, w, xs[3])
+        return LinearPlan.choose(
+            _rows(x.shape), w.shape[0], x.shape[-1], _sm_count(x.device), self.parts
+        )
 
     def execute(
         self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
     ) -> None:
-        plan = LinearPlan.of(xs[0], xs[1], xs[3])
-        owned = plan.owned_tiles(begin, end)
+        plan = self._plan(xs)
+        owned = plan.owned_outputs(begin, end)
         if not owned.any():
             return
-        value = self.compute([t.float() for t in xs[:3]], p, expr)
-        rows = owned.repeat_interleave(LINEAR_ROWS, 0)[: plan.m]
-        mask = rows.repeat_interleave(LINEAR_COLS, 1)[:, : plan.n].reshape(out.shape)
+        value = self.compute([*(t.float() for t in xs[:3]), xs[3]], p, expr)
+        mask = owned.reshape(out.shape)
         out[mask] = value[mask].to(out.dtype)
 
     def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
@@ -935,6 +1007,7 @@ _FAMILIES: tuple[Family, ...] = (
     GatherRowsFamily(),
     SampleFamily(),
     LinearFamily(),
+    LinearFamily(parts=True),
     FeedTokensFamily(),
     TickFamily(),
 )

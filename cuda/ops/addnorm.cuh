@@ -1,24 +1,230 @@
 /* addnorm.cuh: fused residual add + norm over the last dim (vLLM's fused_add_rms_norm).
  *
  * Contract (host encoding): in = (x, y, weight?, bias?) with x and y of one shape [..., N]
- * (any strides; x has no two elements at one address, since it is written); weight and bias 1-D
- * [N]; out has x's shape; scalars[0] = eps. Rows are numbered row-major over all dims but the
- * last; a task covers rows [range_begin, range_end). Per row, in one task:
+ * (any strides; x has no two elements at one address, since it is written), or y of shape
+ * [S, ..., N] with 1 <= S <= GPUOS_ADDNORM_MAX_PARTS: the S partial sums of a linear_parts
+ * (linear.cuh), which stand for y = y[0] + y[1] + ... + y[S - 1], summed in that order in fp32;
+ * weight and bias 1-D [N]; out has x's shape; scalars[0] = eps. Rows are numbered row-major over
+ * all dims but the last (of x); a task covers rows [range_begin, range_end). Per row, in one task:
  *   r = x + y, computed in fp32 and rounded to x's dtype;  x = r  (x is updated in place);
  *   add_rmsnorm:   out = r * rsqrt(mean(r^2) + eps) * weight            (num_inputs 2..3)
  *   add_layernorm: out = (r - mean) * rsqrt(var + eps) * weight + bias  (num_inputs 2..4)
  * The norm reads the rounded r, exactly like torch's `r = (x + y).to(x.dtype); out = norm(r)`.
- * Pass 1 loads x and y together, stores r into x and sums it; the remaining passes re-read r
- * from x. Each element is stored and re-read by the same thread, so no barrier orders them. */
+ * Fast path (contiguous tensors aligned to 4 elements, rows of at most 2048 a block or 256 a
+ * warp, a multiple of 4): a thread loads its chunks of 4 of x, y and the parameters in one round
+ * trip and keeps r in registers. Otherwise pass 1 loads x and y together, stores r into x and
+ * sums it, and the remaining passes re-read r from x; each element is stored and re-read by the
+ * same thread, so no barrier orders them. */
 #pragma once
 
 #include "ops/rows.cuh" /* found through -I<repo>/cuda */
+
+#define GPUOS_ADDNORM_MAX_PARTS 6
+#define GPUOS_ADDNORM_VEC 2 /* 4-element chunks of a row a thread holds on the fast path */
+
+/* ---- the fast path: a row in registers ---------------------------------------------------- */
+
+/* Whether the task's rows take the fast path with group G: every tensor contiguous and aligned
+ * to 4 elements, rows a multiple of 4 long and at most GPUOS_ADDNORM_VEC chunks of 4 a thread.
+ * Depends on the task only (uniform over the block). */
+template <class G>
+__device__ __forceinline__ bool gpuos_addnorm_fast(const GpuosTask* t, int64_t n) {
+  bool ok = n % 4 == 0 && n <= 4 * GPUOS_ADDNORM_VEC * static_cast<int64_t>(G::size());
+  ok = ok && gpuos_is_contiguous(t->out) && gpuos_aligned4(t->out, 0);
+  GPUOS_ROLLED
+  for (int i = 0; i < t->num_inputs; ++i)
+    ok = ok && gpuos_is_contiguous(t->in[i]) && gpuos_aligned4(t->in[i], 0);
+  return ok;
+}
+
+/* y's 4 elements at byte address `p`, the sum of its `count` <= MAXP parts `split` bytes apart
+ * in split order. Branch-free, so that all the loads are in flight together: past the parts,
+ * part 0 is loaded again and not added (a branch a part had ptxas reuse one register for every
+ * part, a round trip each). */
+template <int MAXP>
+__device__ __forceinline__ void gpuos_addnorm_y4(const char* p, int64_t split, int count,
+                                                 int dtype, float (&v)[4]) {
+  float part[MAXP][4];
+#pragma unroll
+  for (int s = 0; s < MAXP; ++s) gpuos_load4_ptr(p + (s < count ? s * split : 0), dtype, part[s]);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    v[e] = part[0][e];
+#pragma unroll
+    for (int s = 1; s < MAXP; ++s) {
+      if (s < count) v[e] += part[s][e];
+    }
+  }
+}
+
+/* The parameters of a thread's chunks of a row on the fast path, the same for every row: the
+ * weight (1 without one) and the bias (0 without one). */
+struct GpuosAddNormParams {
+  float w[GPUOS_ADDNORM_VEC][4], b[GPUOS_ADDNORM_VEC][4];
+};
+
+template <bool RMS, class G>
+__device__ __forceinline__ void gpuos_addnorm_params(const GpuosTask* t, int64_t n,
+                                                     GpuosAddNormParams& p) {
+  const bool has_w = t->num_inputs > 2, has_b = !RMS && t->num_inputs > 3;
+#pragma unroll
+  for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
+    const int64_t j = 4 * (G::rank() + i * static_cast<int64_t>(G::size()));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p.w[i][e] = 1.0f, p.b[i][e] = 0.0f;
+    if (j >= n) continue;
+    if (has_w) gpuos_load4(t->in[2], j, p.w[i]);
+    if (has_b) gpuos_load4(t->in[3], j, p.b[i]);
+  }
+}
+
+/* Row r (n elements) on the fast path, in one round trip: each thread loads its chunks of x and
+ * y (all its parts) together, keeps the sums in registers and stores x and out once. MAXP: y's
+ * parts at most (1: y is one tensor). */
+template <bool RMS, int MAXP, class G>
+__device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64_t r, int64_t n,
+                                                       const GpuosAddNormParams& p) {
+  const GpuosTensorRef &x = t->in[0], &y = t->in[1];
+  const int count = MAXP > 1 ? static_cast<int>(y.sizes[0]) : 1;
+  const int64_t split = MAXP > 1 ? gpuos_step(y, 0) : 0;
+  const int64_t row = r * n;
+  float v[GPUOS_ADDNORM_VEC][4], sum[GPUOS_ADDNORM_VEC][4];
+#pragma unroll
+  for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) { /* every chunk's loads before any use */
+    const int64_t j = 4 * (G::rank() + i * static_cast<int64_t>(G::size()));
+    if (j >= n) continue;
+    gpuos_load4(x, row + j, v[i]);
+    gpuos_addnorm_y4<MAXP>(gpuos_ptr(y, row + j), split, count, y.dtype, sum[i]);
+  }
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
+    const int64_t j = 4 * (G::rank() + i * static_cast<int64_t>(G::size()));
+    if (j >= n) continue;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      v[i][e] = gpuos_round_to(x.dtype, v[i][e] + sum[i][e]);
+      s += RMS ? v[i][e] * v[i][e] : v[i][e];
+    }
+    gpuos_store4(x, row + j, v[i]);
+  }
+  const float total = G::sum(s);
+  GPUOS_MARK(0);
+  const float nf = static_cast<float>(n);
+  float mean = 0.0f, scale;
+  if (RMS) {
+    scale = rsqrtf(gpuos_div(total, nf) + t->scalars[0]);
+  } else {
+    mean = gpuos_div(total, nf);
+    float q = 0.0f; /* squared deviations from registers: E[x^2] - mean^2 cancels */
+#pragma unroll
+    for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
+      if (4 * (G::rank() + i * static_cast<int64_t>(G::size())) >= n) continue;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) q += (v[i][e] - mean) * (v[i][e] - mean);
+    }
+    scale = rsqrtf(gpuos_div(G::sum(q), nf) + t->scalars[0]);
+  }
+  GPUOS_MARK(1);
+#pragma unroll
+  for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
+    const int64_t j = 4 * (G::rank() + i * static_cast<int64_t>(G::size()));
+    if (j >= n) continue;
+    float o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[e] = (v[i][e] - mean) * scale * p.w[i][e] + p.b[i][e];
+    gpuos_store4(t->out, row + j, o);
+  }
+}
+
+/* The task's rows on the fast path with group G. Settled parameters (no producer writes them)
+ * are loaded before the wait: they are cold when their layer comes, and loaded after it they
+ * cost a trip to memory and a TLB walk on the critical path; else they are prefetched before
+ * it and loaded after. */
+template <bool RMS, int MAXP, class G>
+__device__ __forceinline__ void gpuos_addnorm_fast_rows(const GpuosTask* t, int64_t n) {
+  bool early = true;
+  GPUOS_ROLLED
+  for (int k = 2; k < t->num_inputs; ++k) early = early && gpuos_settled(t, k);
+  GpuosAddNormParams p;
+  if (early) {
+    gpuos_addnorm_params<RMS, G>(t, n, p);
+    gpuos_await(t);
+  } else {
+    gpuos_norm_warm_await<2>(t);
+    gpuos_addnorm_params<RMS, G>(t, n, p);
+  }
+  gpuos_each_row<G>(t, [&](int64_t r) { gpuos_addnorm_fast_row<RMS, MAXP, G>(t, r, n, p); });
+}
+
+/* The fast path with group G when the task allows it (y's parts decide MAXP); false otherwise,
+ * having done nothing. */
+template <bool RMS, class G>
+__device__ __forceinline__ bool gpuos_addnorm_try_fast(const GpuosTask* t, int64_t n) {
+  if (!gpuos_addnorm_fast<G>(t, n)) return false;
+  const GpuosTensorRef &x = t->in[0], &y = t->in[1];
+  if (y.ndim == x.ndim) {
+    gpuos_addnorm_fast_rows<RMS, 1, G>(t, n);
+  } else if (y.sizes[0] <= 4) {
+    gpuos_addnorm_fast_rows<RMS, 4, G>(t, n);
+  } else {
+    gpuos_addnorm_fast_rows<RMS, GPUOS_ADDNORM_MAX_PARTS, G>(t, n);
+  }
+  return true;
+}
+
+/* ---- any layout: a row re-read from memory on each pass (rows.cuh) ------------------------ */
+
+/* One row of y given as S partial sums ([S, ..., N]): load(j) is their sum in split order, its
+ * loads branch-free as in gpuos_addnorm_y4; advance moves along the dims after the first. */
+struct GpuosParts {
+  char* p;       /* split 0's element 0 of the row */
+  int64_t step;  /* bytes between elements */
+  int64_t split; /* bytes between splits */
+  int count, dtype;
+  const GpuosTensorRef* ref;
+
+  __device__ static GpuosParts of(const GpuosTensorRef& y) {
+    GpuosParts parts;
+    parts.p = reinterpret_cast<char*>(y.data);
+    parts.step = gpuos_step(y, y.ndim - 1);
+    parts.split = gpuos_step(y, 0);
+    parts.count = static_cast<int>(y.sizes[0]);
+    parts.dtype = y.dtype;
+    parts.ref = &y;
+    return parts;
+  }
+  __device__ __forceinline__ float load(int64_t j) const {
+    const char* at = p + j * step;
+    float v[GPUOS_ADDNORM_MAX_PARTS];
+#pragma unroll
+    for (int s = 0; s < GPUOS_ADDNORM_MAX_PARTS; ++s)
+      v[s] = gpuos_load_ptr(at + (s < count ? s * split : 0), dtype);
+    float sum = v[0];
+#pragma unroll
+    for (int s = 1; s < GPUOS_ADDNORM_MAX_PARTS; ++s) {
+      if (s < count) sum += v[s];
+    }
+    return sum;
+  }
+  __device__ __forceinline__ void advance(int d, int64_t i) { p += i * gpuos_step(*ref, d + 1); }
+};
 
 template <bool RMS>
 struct GpuosAddNormRow {
   template <class G>
   __device__ static void run(const GpuosTask* t, int64_t r) {
-    GpuosRow x = gpuos_vector(t->in[0]), y = gpuos_vector(t->in[1]), out = gpuos_vector(t->out);
+    if (t->in[1].ndim == t->in[0].ndim + 1) {
+      run_with<G>(t, r, GpuosParts::of(t->in[1]));
+    } else {
+      run_with<G>(t, r, gpuos_vector(t->in[1]));
+    }
+  }
+
+  /* Y: y's row as a GpuosRow, or GpuosParts. */
+  template <class G, class Y>
+  __device__ static void run_with(const GpuosTask* t, int64_t r, Y y) {
+    GpuosRow x = gpuos_vector(t->in[0]), out = gpuos_vector(t->out);
     gpuos_seek(t->in[0], gpuos_row_dims(t->in[0]), r, x, y, out);
     const int64_t n = gpuos_row_len(t->in[0]);
     float s = 0.0f;
@@ -36,13 +242,18 @@ struct GpuosAddNormRow {
   }
 };
 
-#define GPUOS_DEFINE_ADD_RMSNORM(SYMBOL)                  \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
-    gpuos_norm_warm_await<2>(t);                          \
-    gpuos_rows<GpuosAddNormRow<true> >(t);                \
-  }
-#define GPUOS_DEFINE_ADD_LAYERNORM(SYMBOL)                \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
-    gpuos_norm_warm_await<2>(t);                          \
-    gpuos_rows<GpuosAddNormRow<false> >(t);               \
-  }
+/* The fast path where the task allows it, else the passes of rows.cuh. */
+template <bool RMS>
+__device__ __forceinline__ void gpuos_add_norm(const GpuosTask* t) {
+  const int64_t n = gpuos_row_len(t->in[0]);
+  if (gpuos_rows_by_warp(t, n) ? gpuos_addnorm_try_fast<RMS, GpuosWarpGroup>(t, n)
+                               : gpuos_addnorm_try_fast<RMS, GpuosBlockGroup>(t, n))
+    return;
+  gpuos_norm_warm_await<2>(t);
+  gpuos_rows<GpuosAddNormRow<RMS> >(t);
+}
+
+#define GPUOS_DEFINE_ADD_RMSNORM(SYMBOL) \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_add_norm<true>(t); }
+#define GPUOS_DEFINE_ADD_LAYERNORM(SYMBOL) \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_add_norm<false>(t); }

@@ -8,6 +8,11 @@
  *           between tasks: the last arrival resets its counter), padded to a multiple of 4
  *           words, then S * T partial blocks of P x 64 fp32, T = MB * NT tiles;
  *   out [..., N] with x's leading dims, any float dtype; computed in fp32.
+ * Parts mode (GPUOS_DEFINE_LINEAR_PARTS, the catalogue's linear_parts): out is [S, ..., N], one
+ * more leading dim than x, and in[3] is empty: split s stores its partial sums over its k range as
+ * rows s * M .. s * M + M - 1 of out, split 0 with the bias added, and no split combines them. Its
+ * consumer sums the S parts in split order (add_layernorm, add_rmsnorm: addnorm.cuh), so K is
+ * split without the count-in and the last split's round trips to L2.
  * Tiles: an m-block is 64 rows of x (MB = ceil(M / 64)), an n-tile 64 outputs (NT = ceil(N / 64)),
  * P = min(M, 64) rounded up to 16. K is cut into S splits of kch steps of 32 (kch =
  * ceil(ceil(K / 32) / S) rounded up to 8; every split has at least one step); S follows from the
@@ -60,6 +65,7 @@ struct GpuosLinearPlan {
   int prows;            /* rows of a partial block */
   int64_t xrs, ors;     /* elements between rows of x and of out, -1 when no one stride serves */
   bool fast;            /* the tensor-core path applies */
+  bool parts;           /* parts mode: the splits' partial sums are the output */
 };
 
 /* Words of the workspace's counters for `tiles` tiles: rounded up so that the partial blocks
@@ -104,7 +110,7 @@ __device__ __forceinline__ bool gpuos_linear_fast(const GpuosTask* t, const Gpuo
          blockDim.x >= GPUOS_LINEAR_MMA_THREADS && gpuos_dynamic_smem_bytes() >= GPUOS_LINEAR_SMEM;
 }
 
-__device__ __forceinline__ GpuosLinearPlan gpuos_linear_plan(const GpuosTask* t) {
+__device__ __forceinline__ GpuosLinearPlan gpuos_linear_plan(const GpuosTask* t, bool parts) {
   const GpuosTensorRef &x = t->in[0], &ws = t->in[3];
   GpuosLinearPlan p;
   p.m = static_cast<int>(gpuos_numel_dims(x, (1u << gpuos_row_dims(x)) - 1u));
@@ -115,7 +121,12 @@ __device__ __forceinline__ GpuosLinearPlan gpuos_linear_plan(const GpuosTask* t)
   p.prows = (min(p.m, GPUOS_LINEAR_BM) + GPUOS_LINEAR_PART_ROWS - 1) & -GPUOS_LINEAR_PART_ROWS;
   const unsigned tiles = p.mblocks * p.ntiles, block = tiles * p.prows * GPUOS_LINEAR_BN;
   const unsigned partials = static_cast<unsigned>(ws.numel) - gpuos_linear_counters(tiles);
-  p.splits = ws.numel == 0 ? 1 : static_cast<int>(partials / block);
+  p.parts = parts;
+  if (parts) {
+    p.splits = static_cast<int>(t->out.sizes[0]);
+  } else {
+    p.splits = ws.numel == 0 ? 1 : static_cast<int>(partials / block);
+  }
   const int steps = (p.k + GPUOS_LINEAR_KSTEP - 1) / GPUOS_LINEAR_KSTEP;
   const int per_split = (steps + p.splits - 1) / p.splits;
   p.kch = (per_split + GPUOS_LINEAR_STEP_ALIGN - 1) & -GPUOS_LINEAR_STEP_ALIGN;
@@ -140,6 +151,23 @@ __device__ __forceinline__ GpuosLinearItem gpuos_linear_item(const GpuosLinearPl
   return it;
 }
 
+/* Whether the item adds the bias: to the whole sum (K unsplit) or to split 0's part. */
+__device__ __forceinline__ bool gpuos_linear_biased(const GpuosLinearPlan& p,
+                                                    const GpuosLinearItem& it) {
+  return p.parts ? it.s == 0 : p.splits == 1;
+}
+
+/* Whether the items' values go to partial blocks that the last split combines. */
+__device__ __forceinline__ bool gpuos_linear_combined(const GpuosLinearPlan& p) {
+  return !p.parts && p.splits > 1;
+}
+
+/* Row of out that row m of x takes in the item: parts mode stacks the splits' M rows. */
+__device__ __forceinline__ int gpuos_linear_out_row(const GpuosLinearPlan& p,
+                                                    const GpuosLinearItem& it, int m) {
+  return p.parts ? it.s * p.m + m : m;
+}
+
 /* ---- outputs: final values and the split-K combine ------------------------------------------ */
 
 /* Bias of output n: 0 without a bias or past the outputs. Callers load it ahead of the stores
@@ -158,8 +186,8 @@ __device__ __forceinline__ void gpuos_linear_final(const GpuosTask* t, int m, in
 
 /* out as the tensor-core path stores it (rows p.ors apart), in registers: a store through a
  * generic pointer may alias the descriptor and plan in shared memory, so each store would
- * otherwise reload them. `pair`: two neighbouring 16-bit outputs take one 32-bit store (unit
- * column stride, even row stride, 4-byte aligned data). */
+ * otherwise reload them. `pair`: two neighbouring outputs take one store of twice their width
+ * (16-bit or fp32 outputs; unit column stride, even row stride, data aligned to that width). */
 struct GpuosLinearSink {
   char* data;
   int64_t ors, cs; /* elements between rows and between outputs */
@@ -176,7 +204,8 @@ struct GpuosLinearSink {
     k.dtype = o.dtype;
     k.size = gpuos_dtype_size(o.dtype);
     k.outputs = p.n;
-    k.pair = k.size == 2 && k.cs == 1 && k.ors % 2 == 0 && (o.data & 3u) == 0;
+    const bool wide = k.size == 2 || k.size == 4;
+    k.pair = wide && k.cs == 1 && k.ors % 2 == 0 && (o.data & (2u * k.size - 1u)) == 0;
     return k;
   }
 
@@ -184,7 +213,11 @@ struct GpuosLinearSink {
   __device__ void store2(int m, int n, float v0, float v1) const {
     char* at = data + (m * ors + n * cs) * size;
     if (pair && n + 1 < outputs) {
-      *reinterpret_cast<unsigned int*>(at) = gpuos_f32x2_to_16(dtype, v0, v1);
+      if (size == 4) {
+        *reinterpret_cast<float2*>(at) = make_float2(v0, v1);
+      } else {
+        *reinterpret_cast<unsigned int*>(at) = gpuos_f32x2_to_16(dtype, v0, v1);
+      }
       return;
     }
     if (n < outputs) gpuos_store_ptr(at, dtype, v0);
@@ -286,7 +319,7 @@ __device__ __forceinline__ void gpuos_linear_combine(const GpuosTask* t, const G
 template <bool UNIFORM, bool WIDE>
 __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const GpuosLinearPlan& p,
                                                     const GpuosLinearItem& it, int* last) {
-  if (p.splits == 1) return;
+  if (!gpuos_linear_combined(p)) return;
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned int* counters = reinterpret_cast<unsigned int*>(t->in[3].data);
@@ -319,11 +352,11 @@ __device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const G
       GPUOS_ROLLED
       for (int k = it.k0; k < it.k1; ++k, xp += xstep, wp += wstep)
         sum += gpuos_load_ptr(xp, x.dtype) * gpuos_load_ptr(wp, w.dtype);
-      if (p.splits == 1) {
-        const float v = sum + gpuos_linear_bias(t, p, n);
-        gpuos_linear_final(t, GPUOS_LINEAR_BM * it.mb + r, n, v);
-      } else {
+      if (gpuos_linear_combined(p)) {
         gpuos_linear_part(t, p, it, it.s)[r * GPUOS_LINEAR_BN + c] = sum;
+      } else {
+        const float v = sum + (gpuos_linear_biased(p, it) ? gpuos_linear_bias(t, p, n) : 0.0f);
+        gpuos_linear_final(t, gpuos_linear_out_row(p, it, GPUOS_LINEAR_BM * it.mb + r), n, v);
       }
     }
     gpuos_linear_arrive<false, true>(t, p, it, last);
@@ -549,12 +582,13 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
   GPUOS_ROLLED
   for (int i = begin; i < end; ++i) {
     const GpuosLinearItem it = gpuos_linear_item(p, i);
-    float bias[NW][2]; /* of this lane's outputs (K unsplit: the combine adds it otherwise) */
+    float bias[NW][2]; /* of this lane's outputs, where the item adds it */
+    const bool biased = gpuos_linear_biased(p, it);
 #pragma unroll
     for (int f = 0; f < NW; ++f) {
       const int n = GPUOS_LINEAR_BN * it.nt + 8 * (NW * wn + f) + 2 * q;
-      bias[f][0] = p.splits == 1 ? gpuos_linear_bias(t, p, n) : 0.0f;
-      bias[f][1] = p.splits == 1 ? gpuos_linear_bias(t, p, n + 1) : 0.0f;
+      bias[f][0] = biased ? gpuos_linear_bias(t, p, n) : 0.0f;
+      bias[f][1] = biased ? gpuos_linear_bias(t, p, n + 1) : 0.0f;
     }
     float acc[TM][NW][4];
 #pragma unroll
@@ -604,7 +638,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
     /* acc[a][f][2 h + e]: row 16 (TM wm + a) + g + 8 h of x, output 8 (NW wn + f) + 2 q + e: the
      * final values, or two neighbours of the split's partial block in one store (its columns
      * past N hold zeros, which the combine never reads) */
-    float* part = p.splits == 1 ? nullptr : gpuos_linear_part(t, p, it, it.s);
+    float* part = gpuos_linear_combined(p) ? gpuos_linear_part(t, p, it, it.s) : nullptr;
     const GpuosLinearSink sink = GpuosLinearSink::of(t, p);
 #pragma unroll
     for (int a = 0; a < TM; ++a) {
@@ -620,7 +654,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
             *reinterpret_cast<float2*>(part + r * GPUOS_LINEAR_BN + c) = make_float2(v0, v1);
             continue;
           }
-          sink.store2(m, n, v0 + bias[f][0], v1 + bias[f][1]);
+          sink.store2(gpuos_linear_out_row(p, it, m), n, v0 + bias[f][0], v1 + bias[f][1]);
         }
       }
     }
@@ -640,6 +674,7 @@ __device__ __forceinline__ void gpuos_linear_mma_dtype(const GpuosTask* t, const
   }
 }
 
+template <bool PARTS>
 __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
   __shared__ GpuosLinearPlan plan;
   __shared__ int last;
@@ -649,7 +684,7 @@ __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
   }
   /* GPUOS_TASK_EARLY: the plan (from the descriptor alone) and the weights, where settled,
    * before the wait for x */
-  if (threadIdx.x == 0) plan = gpuos_linear_plan(t);
+  if (threadIdx.x == 0) plan = gpuos_linear_plan(t, PARTS);
   __syncthreads();
   GPUOS_MARK(0);
   const int rows = min(plan.m, GPUOS_LINEAR_BM);
@@ -668,4 +703,6 @@ __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
 }
 
 #define GPUOS_DEFINE_LINEAR(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_linear(t); }
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_linear<false>(t); }
+#define GPUOS_DEFINE_LINEAR_PARTS(SYMBOL) \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_linear<true>(t); }

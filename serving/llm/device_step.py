@@ -281,21 +281,29 @@ class ProgramOps:
     def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
         return self._normed("", norm, x)
 
-    def add_norm(
-        self, x: torch.Tensor, y: torch.Tensor, norm: Norm
+    def residual(
+        self, x: torch.Tensor, h: torch.Tensor, linear: Linear, norm: Norm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, self._normed("add_", norm, x, y)
+        # the projection's K splits are summed by the norm as it adds them: no combine stage
+        parts = self._add("linear_parts", h, *self._weights(linear))
+        return x, self._normed("add_", norm, x, parts)
 
     def _normed(self, prefix: str, norm: Norm, *rows: torch.Tensor) -> torch.Tensor:
         """LayerNorm (the norm has a bias) or RMSNorm of `rows`, through the catalogue operator
         `prefix` names ("add_": the fused residual add of the two rows given)."""
         kind = "rmsnorm" if norm.bias is None else "layernorm"
         weights = (norm.weight,) if norm.bias is None else (norm.weight, norm.bias)
-        return self._add(prefix + kind, *rows, *weights, eps=self.config.norm_eps)
+        scalars = {"eps": self.config.norm_eps}
+        # in x's dtype: the residual may come as fp32 partial sums
+        call = OpCall(prefix + kind, (*rows, *weights), scalars=scalars, out_dtype=rows[0].dtype)
+        return self.build.add(call)
 
     def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        bias = () if linear.bias is None else (linear.bias,)
-        return self._add("linear", x, linear.weight, *bias)
+        return self._add("linear", x, *self._weights(linear))
+
+    @staticmethod
+    def _weights(linear: Linear) -> tuple[torch.Tensor, ...]:
+        return (linear.weight,) if linear.bias is None else (linear.weight, linear.bias)
 
     def rotary(self, x: torch.Tensor) -> torch.Tensor:
         assert self.tables is not None, "rotary() of a model without rotary embeddings"

@@ -1,10 +1,10 @@
 """The model's forward, written once over a small micro-op interface.
 
 `forward(model, ops)` reads as the model: embed; per layer norm → qkv → rotary → attention (which
-stores the rows' keys and values) → output projection + residual → norm → MLP + residual; then
-the final norm and the LM head. It knows nothing of where the rows run or how they are laid
-out: `ops` owns the step's rows (token ids, positions, KV slots) and the KV pool. Two
-implementations of `MicroOps`:
+stores the rows' keys and values) → output projection + residual → norm → MLP (its down
+projection + residual → the next norm); then the final norm and the LM head. It knows nothing
+of where the rows run or how they are laid out: `ops` owns the step's rows (token ids,
+positions, KV slots) and the KV pool. Two implementations of `MicroOps`:
 - `TorchOps` (here): eager torch, the reference: `forward_tokens`, the engine's tests and its
   `micro_ops: torch` baseline;
 - `ProgramOps` (serving/llm/device_step.py): records the same calls into one device program.
@@ -43,10 +43,11 @@ class MicroOps(Protocol):
     def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
         """LayerNorm (the norm has a bias) or RMSNorm of each row."""
 
-    def add_norm(
-        self, x: torch.Tensor, y: torch.Tensor, norm: Norm
+    def residual(
+        self, x: torch.Tensor, h: torch.Tensor, linear: Linear, norm: Norm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + y, its norm); x may be updated in place."""
+        """(x + linear(h), its norm): a residual branch's last projection added to the residual
+        stream, and the norm that reads the sum; x may be updated in place."""
 
     def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
         """x @ weight.T (+ bias)."""
@@ -77,10 +78,12 @@ def forward(model: Model, ops: MicroOps) -> torch.Tensor:
         if c.rope_theta is not None:
             q, k = ops.rotary(q), ops.rotary(k)
         a = ops.attention(i, q, k, v)
-        x, h = ops.add_norm(x, ops.linear(a.flatten(1), layer.o), layer.mlp_norm)
-        y = ops.linear(ops.activation(ops.linear(h, layer.up), c.activation), layer.down)
+        x, h = ops.residual(x, a.flatten(1), layer.o, layer.mlp_norm)
+        g = ops.activation(ops.linear(h, layer.up), c.activation)
         # the residual add fuses with the next norm: the next layer's, or the final one
-        x, h = ops.add_norm(x, y, w.layers[i + 1].attn_norm if i + 1 < c.layers else w.final_norm)
+        x, h = ops.residual(
+            x, g, layer.down, w.layers[i + 1].attn_norm if i + 1 < c.layers else w.final_norm
+        )
     return ops.logits(h, w.lm_head)
 
 
@@ -132,10 +135,10 @@ class TorchOps:
     def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
         return normalize(x, norm, self.config.norm_eps)
 
-    def add_norm(
-        self, x: torch.Tensor, y: torch.Tensor, norm: Norm
+    def residual(
+        self, x: torch.Tensor, h: torch.Tensor, linear: Linear, norm: Norm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        s = x + y
+        s = x + linear(h)
         return s, self.norm(s, norm)
 
     def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:

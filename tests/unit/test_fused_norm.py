@@ -19,7 +19,7 @@ from gpuos_core.errors import TensorSpecError
 OPS = ("add_rmsnorm", "add_layernorm")
 # ragged lengths, rows one per warp and rows a block each, either side of 256 (the warp's limit)
 SHAPES = [(1, 1), (3, 7), (5, 33), (2, 3, 300), (1, 4096), (17, 1000), (64, 257)]
-SHAPES += [(3, 256), (3, 257), (1, 768)]
+SHAPES += [(3, 256), (3, 257), (1, 768), (2, 2048)]  # rows held in registers: 768 to 2048
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,31 @@ def test_fused_equals_unfused_over_shapes(rt: Runtime, op: str, dtype: torch.dty
         check(rt, op, x, y, params)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_partial_sums_as_the_residual(rt: Runtime, op: str, dtype: torch.dtype) -> None:
+    """y given as a linear_parts' S partial sums [S, *x.shape] (fp32) stands for their sum in
+    split order: x becomes (x + ((y0 + y1) + ...)).to(x.dtype) bit for bit."""
+    for seed, (shape, splits) in enumerate(
+        [((1, 768), 3), ((64, 768), 6), ((3, 257), 6), ((2, 3, 300), 1), ((5, 33), 2)]
+        + [((2, 2048), 4), ((3, 256), 5)]
+    ):
+        x = randn(rt, shape, dtype, 7 * seed)
+        parts = randn(rt, (splits, *shape), torch.float32, 7 * seed + 1)
+        total = parts[0].cpu().clone()
+        for part in parts[1:]:
+            total += part.cpu()  # in split order, as the operator adds them
+        n = shape[-1]
+        params = tuple(
+            randn(rt, (n,), dtype, 7 * seed + 2 + k)
+            for k in range(2 if op == "add_layernorm" else 1)
+        )
+        want_x, want_out = unfused(op, x, total, params, 1e-5)
+        out = run_fused(rt, op, x, parts, params, 1e-5)
+        assert torch.equal(x.cpu(), want_x), f"{shape} in {splits} parts"
+        assert rel_error(out.cpu(), want_out) < TOLERANCE[out.dtype], f"{shape} in {splits} parts"
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_optional_parameters_eps_and_mixed_dtypes(rt: Runtime, op: str) -> None:
     x = randn(rt, (6, 40), torch.bfloat16, 1)
@@ -127,6 +152,7 @@ def test_ragged_tasks_in_one_submission(rt: Runtime) -> None:
     "inputs, message",
     [
         (lambda x: (x, x[:, :4]), "input 1 (the residual y) must have the shape of input 0"),
+        (lambda x: (x, x.expand(7, 3, 8)), "or be [S, *that] with 1 <= S <= 6 partial sums"),
         (lambda x: (x[:1].expand(3, 8), x), "updated in place, so it must not be an expanded view"),
         (lambda x: (x, x, torch.ones(7)), "input 2 must have shape (8,)"),
         (lambda x: (x, x.int()), "input 1 has dtype torch.int32"),

@@ -23,6 +23,7 @@ from gpuos_core.families import (
     DEFAULT_SMS,
     LINEAR_COLS,
     LINEAR_KSTEP,
+    LINEAR_MAX_PARTS,
     LINEAR_PART_ROWS,
     LINEAR_ROWS,
     LINEAR_STEP_ALIGN,
@@ -124,6 +125,35 @@ def test_split_k_records_cut_anywhere_and_rerun(rt: Runtime, m: int) -> None:
     check(rt, task)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 64, 200])
+def test_linear_parts_are_the_sums_of_the_k_splits(rt: Runtime, dtype: torch.dtype, m: int) -> None:
+    """linear_parts: fp32 [S, M, N], part s the product over split s's k range (the bias in
+    part 0), so that the parts sum to the linear; records cut anywhere, and reruns."""
+    for seed, (k, n) in enumerate([(768, 130), (3072, 64), (100, 64)]):
+        x, w = randn(rt, (m, k), dtype, seed), randn(rt, (n, k), dtype, seed + 100)
+        bias = randn(rt, (n,), dtype, seed + 200)
+        task = rt.prepare(OpCall("linear_parts", (x, w, bias)))
+        plan = LinearPlan.of(*task.inputs[:2], task.inputs[3])
+        assert plan.parts and 1 <= plan.splits <= LINEAR_MAX_PARTS
+        assert task.out.shape == (plan.splits, m, n) and task.out.dtype == torch.float32
+        cuts = sorted(random.sample(range(1, task.items), min(4, task.items - 1)))
+        ranges = list(zip([0] + cuts, cuts + [task.items]))
+        records = np.empty(len(ranges), dtype=TASK)
+        encode_task(records, ranges, task.out_ref, task.inputs, task.params.scalars)
+        task = replace(task, records=records)
+        for _ in range(2):  # a rerun writes the same parts
+            task.out.fill_(float("nan"))
+            rt.submit([task]).wait(30)
+            xd, wd = x.double(), w.double()
+            for s, (k0, k1) in enumerate(plan.bounds):
+                ref = F.linear(xd[:, k0:k1], wd[:, k0:k1], bias.double() if s == 0 else None)
+                err = rel_error(task.out[s], ref)
+                assert err < TOLERANCE[torch.float32], f"part {s} of {m} x {k} x {n}: {err:.2e}"
+            err = rel_error(task.out.double().sum(0), F.linear(xd, wd, bias.double()))
+            assert err < TOLERANCE[torch.float32], f"sum of {m} x {k} x {n}: {err:.2e}"
+
+
 def test_many_tasks_in_one_submission(rt: Runtime) -> None:
     w = randn(rt, (300, 512), torch.bfloat16, 8)
     xs = [randn(rt, (m, 512), torch.bfloat16, 9 + m) for m in (1, 2, 8, 17)]
@@ -188,6 +218,11 @@ def test_plans_fill_the_device_without_empty_splits(m: int, n: int, k: int) -> N
     words = torch.empty(plan.workspace_words, dtype=torch.int32)
     x, w = torch.empty(m, k), torch.empty(n, k)
     assert LinearPlan.of(x, w, words) == plan  # the splits read back as the device reads them
+    parts = LinearPlan.choose(m, n, k, DEFAULT_SMS, parts=True)
+    assert parts.splits <= LINEAR_MAX_PARTS and parts.workspace_words == 0
+    assert parts.splits == 1 or -(-steps // parts.kch) == parts.splits
+    assert parts.items <= 2 * DEFAULT_SMS or parts.splits == 1
+    assert LinearPlan.of(x, w, torch.empty(parts.splits, 0, dtype=torch.int32)) == parts
 
 
 def test_records_are_neighbouring_items_one_per_multiprocessor_at_most() -> None:
