@@ -38,7 +38,7 @@ import numpy as np
 from greenlet import GreenletExit
 from locust import FastHttpUser, HttpUser, between, constant, events, task
 from locust.exception import StopUser
-from locust.runners import STATE_CLEANUP, STATE_STOPPED
+from locust.runners import STATE_CLEANUP, STATE_STOPPED, MasterRunner, WorkerRunner
 from requests import RequestException  # after locust, which must patch ssl first
 
 from loadtest.completions import (
@@ -398,10 +398,15 @@ def micro_options(parser: Any) -> None:
 
 @events.test_stop.add_listener
 def write_tokens(environment: Any, **_: Any) -> None:
-    """GENERATED into --tokens-out, when given (one test per Locust process, as run.py runs it)."""
-    if environment.parsed_options and environment.parsed_options.tokens_out:
-        with open(environment.parsed_options.tokens_out, "w") as sink:
-            json.dump(asdict(GENERATED), sink)
+    """GENERATED into --tokens-out, when given (one test per Locust process, as run.py runs it).
+    With --processes, each worker writes its own `<tokens-out>.<pid>` (run.py sums them) and the
+    master, which runs no users, nothing."""
+    options = environment.parsed_options
+    if not (options and options.tokens_out) or isinstance(environment.runner, MasterRunner):
+        return
+    suffix = f".{os.getpid()}" if isinstance(environment.runner, WorkerRunner) else ""
+    with open(options.tokens_out + suffix, "w") as sink:
+        json.dump(asdict(GENERATED), sink)
 
 
 @events.test_start.add_listener

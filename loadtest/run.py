@@ -164,6 +164,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=STREAM_FRACTION,
         help="completions: the fraction of requests that stream",
     )
+    parser.add_argument(
+        "--load-processes",
+        type=int,
+        default=1,
+        help="Locust processes generating the load (its --processes): one Python process "
+        "caps what Locust can send",
+    )
     parser.add_argument("--out", type=Path, help="report folder (default loadtest/results/...)")
     return parser.parse_args(argv)
 
@@ -305,6 +312,8 @@ def total_stats(target: Target) -> dict[str, float]:
 
 def run_locust(target: Target, args: argparse.Namespace, prefix: Path, seconds: float) -> None:
     options = [*completion_options(args, prefix), "--encoding", args.encoding]
+    if args.load_processes > 1:
+        options += ["--processes", str(args.load_processes)]
     locust(target, args.users, seconds, prefix, [*options, *SCENARIOS[args.scenario]])
 
 
@@ -360,8 +369,23 @@ def completion_options(args: argparse.Namespace, prefix: Path) -> list[str]:
 
 
 def tokens_file(prefix: Path) -> Path:
-    """Where CompletionUser's token counts go (named like Locust's JSON, which stays local)."""
+    """Where CompletionUser's token counts go (named like Locust's JSON, which stays local);
+    each Locust worker process adds `.<pid>` to the name."""
     return Path(f"{prefix}_tokens_locust.json")
+
+
+def read_generated(prefix: Path) -> Generated:
+    """The token counts of every Locust process of the run at `prefix`, summed."""
+    first = tokens_file(prefix)
+    counts = [
+        Generated(**json.loads(path.read_text()))
+        for path in sorted(first.parent.glob(first.name + "*"))
+    ]
+    return Generated(
+        model=next((c.model for c in counts if c.model), ""),
+        completion_tokens=sum(c.completion_tokens for c in counts),
+        stream_tokens=sum(c.stream_tokens for c in counts),
+    )
 
 
 def summarize(
@@ -454,7 +478,7 @@ def generation_summary(
     when no stream passed); the engines' steps and program builds between the /v1/stats totals
     `before` and `after`."""
     grown = grown_by_name(before, after)
-    generated = Generated(**json.loads(tokens_file(prefix).read_text()))
+    generated = read_generated(prefix)
     return GenerationSummary(
         model=generated.model,
         max_tokens=args.max_tokens,

@@ -1,15 +1,18 @@
 """What the load tests' numbers rest on: the ingress they ask for is the one they get (or they say
 why not), the @serve.batch baseline's concatenated torch calls give each request its own result,
 the soak counts only promised load shedding as shed, its memory figures follow each replica
-process across a kill, and CPU is reported by the OS names our threads carry."""
+process across a kill, CPU is reported by the OS names our threads carry, and the tokens of every
+load-generating process are counted."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,9 @@ import torch
 from gpuos_core import OpCall
 from gpuos_core.threads import OS_NAME_BYTES, daemon
 from loadtest.baselines import grouped, reference, run_group
+from loadtest.completions import Generated
 from loadtest.launch import HAPROXY_ENV, ingress_env, thread_cpu_seconds
+from loadtest.run import read_generated, tokens_file
 from loadtest.soak import Sample, memory_summary
 from loadtest.statuses import SHED, shed
 
@@ -132,3 +137,16 @@ def test_cpu_is_reported_by_the_os_names_our_threads_carry() -> None:
     short = name[:OS_NAME_BYTES]  # the OS keeps 15 bytes
     assert thread.name == name
     assert after[short] - before[short] > 0.2  # it spun most of the half second
+
+
+def test_the_tokens_of_every_load_process_are_summed(tmp_path: Path) -> None:
+    """With --load-processes, each Locust worker writes its own counts (the master none): the
+    run's tokens are their sum, and another run's files beside them are not counted."""
+    prefix = tmp_path / "completions-on"
+    counts = [Generated("", 0, 0), Generated("tiny", 10, 5), Generated("tiny", 7, 1)]
+    for suffix, generated in zip(("", ".101", ".102"), counts):
+        Path(f"{tokens_file(prefix)}{suffix}").write_text(json.dumps(asdict(generated)))
+    Path(f"{tokens_file(tmp_path / 'completions-off')}.103").write_text(
+        json.dumps(asdict(Generated("tiny", 1000, 1000)))
+    )
+    assert read_generated(prefix) == Generated("tiny", 17, 6)
