@@ -183,6 +183,22 @@ def test_reductions_over_dims_with_keepdim(rt: Runtime, op: str, dtype: torch.dt
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_long_reductions_over_contiguous_inner_dims(
+    rt: Runtime, op: str, dtype: torch.dtype
+) -> None:
+    """Rows of logits' length (the step's finiteness check sums them), a view that starts inside
+    its buffer, and every dim of a contiguous tensor: each output from its own elements."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    rows = rand(rt, (4, 5003), dtype, gen)
+    cube = rand(rt, (2, 3, 700), dtype, gen)
+    for x, dims in [(rows, (-1,)), (rows[1:], (1,)), (cube, None), (cube, (1, 2))]:
+        task = check(rt, OpCall(op, (x,), dims=dims))
+        expect = getattr(torch, op)(x.double(), dim=dims if dims else tuple(range(x.dim())))
+        assert task.out.shape == expect.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rotary_with_broadcast_tables(rt: Runtime, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     tokens, heads, d = random.randint(1, 6), random.randint(1, 4), 2 * random.randint(1, 32)
