@@ -37,24 +37,38 @@ __device__ __forceinline__ bool gpuos_addnorm_fast(const GpuosTask* t, int64_t n
   return ok;
 }
 
-/* y's 4 elements at byte address `p`, the sum of its `count` <= MAXP parts `split` bytes apart
- * in split order. Branch-free, so that all the loads are in flight together: past the parts,
- * part 0 is loaded again and not added (a branch a part had ptxas reuse one register for every
- * part, a round trip each). */
-template <int MAXP>
-__device__ __forceinline__ void gpuos_addnorm_y4(const char* p, int64_t split, int count,
-                                                 int dtype, float (&v)[4]) {
-  float part[MAXP][4];
+/* y's W (1 or 4) contiguous elements at byte address `p`, the sum of its `count` <= MAXP parts
+ * `split` bytes apart in split order. Branch-free, so that all the loads are in flight together:
+ * past the parts, part 0 is loaded again and not added (a branch a part had ptxas reuse one
+ * register for every part, a round trip each). */
+template <int MAXP, int W>
+__device__ __forceinline__ void gpuos_addnorm_parts(const char* p, int64_t split, int count,
+                                                    int dtype, float (&v)[W]) {
+  static_assert(W == 1 || W == 4, "one element, or one vector load of 4");
+  float part[MAXP][W];
 #pragma unroll
-  for (int s = 0; s < MAXP; ++s) gpuos_load4_ptr(p + (s < count ? s * split : 0), dtype, part[s]);
+  for (int s = 0; s < MAXP; ++s) {
+    const char* at = p + (s < count ? s * split : 0);
+    if constexpr (W == 4) {
+      gpuos_load4_ptr(at, dtype, part[s]);
+    } else {
+      part[s][0] = gpuos_load_ptr(at, dtype);
+    }
+  }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
+  for (int e = 0; e < W; ++e) {
     v[e] = part[0][e];
 #pragma unroll
     for (int s = 1; s < MAXP; ++s) {
       if (s < count) v[e] += part[s][e];
     }
   }
+}
+
+/* Element offset in a row of a thread's chunk i (of 4 elements) on the fast path with group G. */
+template <class G>
+__device__ __forceinline__ int64_t gpuos_addnorm_chunk(int i) {
+  return 4 * (G::rank() + i * static_cast<int64_t>(G::size()));
 }
 
 /* The parameters of a thread's chunks of a row on the fast path, the same for every row: the
@@ -69,7 +83,7 @@ __device__ __forceinline__ void gpuos_addnorm_params(const GpuosTask* t, int64_t
   const bool has_w = t->num_inputs > 2, has_b = !RMS && t->num_inputs > 3;
 #pragma unroll
   for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
-    const int64_t j = 4 * (G::rank() + i * static_cast<int64_t>(G::size()));
+    const int64_t j = gpuos_addnorm_chunk<G>(i);
 #pragma unroll
     for (int e = 0; e < 4; ++e) p.w[i][e] = 1.0f, p.b[i][e] = 0.0f;
     if (j >= n) continue;
@@ -91,15 +105,15 @@ __device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64
   float v[GPUOS_ADDNORM_VEC][4], sum[GPUOS_ADDNORM_VEC][4];
 #pragma unroll
   for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) { /* every chunk's loads before any use */
-    const int64_t j = 4 * (G::rank() + i * static_cast<int64_t>(G::size()));
+    const int64_t j = gpuos_addnorm_chunk<G>(i);
     if (j >= n) continue;
     gpuos_load4(x, row + j, v[i]);
-    gpuos_addnorm_y4<MAXP>(gpuos_ptr(y, row + j), split, count, y.dtype, sum[i]);
+    gpuos_addnorm_parts<MAXP>(gpuos_ptr(y, row + j), split, count, y.dtype, sum[i]);
   }
   float s = 0.0f;
 #pragma unroll
   for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
-    const int64_t j = 4 * (G::rank() + i * static_cast<int64_t>(G::size()));
+    const int64_t j = gpuos_addnorm_chunk<G>(i);
     if (j >= n) continue;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -119,7 +133,7 @@ __device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64
     float q = 0.0f; /* squared deviations from registers: E[x^2] - mean^2 cancels */
 #pragma unroll
     for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
-      if (4 * (G::rank() + i * static_cast<int64_t>(G::size())) >= n) continue;
+      if (gpuos_addnorm_chunk<G>(i) >= n) continue;
 #pragma unroll
       for (int e = 0; e < 4; ++e) q += (v[i][e] - mean) * (v[i][e] - mean);
     }
@@ -128,7 +142,7 @@ __device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64
   GPUOS_MARK(1);
 #pragma unroll
   for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
-    const int64_t j = 4 * (G::rank() + i * static_cast<int64_t>(G::size()));
+    const int64_t j = gpuos_addnorm_chunk<G>(i);
     if (j >= n) continue;
     float o[4];
 #pragma unroll
@@ -175,8 +189,8 @@ __device__ __forceinline__ bool gpuos_addnorm_try_fast(const GpuosTask* t, int64
 
 /* ---- any layout: a row re-read from memory on each pass (rows.cuh) ------------------------ */
 
-/* One row of y given as S partial sums ([S, ..., N]): load(j) is their sum in split order, its
- * loads branch-free as in gpuos_addnorm_y4; advance moves along the dims after the first. */
+/* One row of y given as S partial sums ([S, ..., N]): load(j) is their sum in split order
+ * (gpuos_addnorm_parts); advance moves along the dims after the first. */
 struct GpuosParts {
   char* p;       /* split 0's element 0 of the row */
   int64_t step;  /* bytes between elements */
@@ -195,17 +209,9 @@ struct GpuosParts {
     return parts;
   }
   __device__ __forceinline__ float load(int64_t j) const {
-    const char* at = p + j * step;
-    float v[GPUOS_ADDNORM_MAX_PARTS];
-#pragma unroll
-    for (int s = 0; s < GPUOS_ADDNORM_MAX_PARTS; ++s)
-      v[s] = gpuos_load_ptr(at + (s < count ? s * split : 0), dtype);
-    float sum = v[0];
-#pragma unroll
-    for (int s = 1; s < GPUOS_ADDNORM_MAX_PARTS; ++s) {
-      if (s < count) sum += v[s];
-    }
-    return sum;
+    float sum[1];
+    gpuos_addnorm_parts<GPUOS_ADDNORM_MAX_PARTS>(p + j * step, split, count, dtype, sum);
+    return sum[0];
   }
   __device__ __forceinline__ void advance(int d, int64_t i) { p += i * gpuos_step(*ref, d + 1); }
 };

@@ -119,13 +119,15 @@ __device__ __forceinline__ GpuosLinearPlan gpuos_linear_plan(const GpuosTask* t,
   p.mblocks = (p.m + GPUOS_LINEAR_BM - 1) / GPUOS_LINEAR_BM;
   p.ntiles = (p.n + GPUOS_LINEAR_BN - 1) / GPUOS_LINEAR_BN;
   p.prows = (min(p.m, GPUOS_LINEAR_BM) + GPUOS_LINEAR_PART_ROWS - 1) & -GPUOS_LINEAR_PART_ROWS;
-  const unsigned tiles = p.mblocks * p.ntiles, block = tiles * p.prows * GPUOS_LINEAR_BN;
-  const unsigned partials = static_cast<unsigned>(ws.numel) - gpuos_linear_counters(tiles);
   p.parts = parts;
   if (parts) {
     p.splits = static_cast<int>(t->out.sizes[0]);
+  } else if (ws.numel == 0) {
+    p.splits = 1;
   } else {
-    p.splits = ws.numel == 0 ? 1 : static_cast<int>(partials / block);
+    const unsigned tiles = p.mblocks * p.ntiles, block = tiles * p.prows * GPUOS_LINEAR_BN;
+    const unsigned partials = static_cast<unsigned>(ws.numel) - gpuos_linear_counters(tiles);
+    p.splits = static_cast<int>(partials / block);
   }
   const int steps = (p.k + GPUOS_LINEAR_KSTEP - 1) / GPUOS_LINEAR_KSTEP;
   const int per_split = (steps + p.splits - 1) / p.splits;

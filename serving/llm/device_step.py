@@ -292,18 +292,19 @@ class ProgramOps:
         """LayerNorm (the norm has a bias) or RMSNorm of `rows`, through the catalogue operator
         `prefix` names ("add_": the fused residual add of the two rows given)."""
         kind = "rmsnorm" if norm.bias is None else "layernorm"
-        weights = (norm.weight,) if norm.bias is None else (norm.weight, norm.bias)
         scalars = {"eps": self.config.norm_eps}
+        inputs = (*rows, *self._weights(norm))
         # in x's dtype: the residual may come as fp32 partial sums
-        call = OpCall(prefix + kind, (*rows, *weights), scalars=scalars, out_dtype=rows[0].dtype)
+        call = OpCall(prefix + kind, inputs, scalars=scalars, out_dtype=rows[0].dtype)
         return self.build.add(call)
 
     def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
         return self._add("linear", x, *self._weights(linear))
 
     @staticmethod
-    def _weights(linear: Linear) -> tuple[torch.Tensor, ...]:
-        return (linear.weight,) if linear.bias is None else (linear.weight, linear.bias)
+    def _weights(params: Linear | Norm) -> tuple[torch.Tensor, ...]:
+        """The weight, and the bias where there is one: the operators' trailing inputs."""
+        return (params.weight,) if params.bias is None else (params.weight, params.bias)
 
     def rotary(self, x: torch.Tensor) -> torch.Tensor:
         assert self.tables is not None, "rotary() of a model without rotary embeddings"
