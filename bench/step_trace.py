@@ -34,7 +34,7 @@ from gpuos_core.config import CudaConfig
 from gpuos_core.program import Arena, Program
 from serving.llm.device_step import Layout, StepChain, StepProgram
 from serving.llm.forward import Span
-from serving.llm.model import KVPool
+from serving.llm.model import KVPool, rotary_tables
 
 TICKET = (1 << 48) - 1
 
@@ -249,7 +249,8 @@ def step(rt: Runtime, shape: str, rows: int, max_len: int, where: Path) -> Progr
     spans = [Span(slot, 64, (1,)) for slot in range(rows)]
     chain = StepChain(2 * rows, rt.device)
     layout = Layout.of(spans, rows)
-    sp = StepProgram(rt, model, pool, layout, None, chain, parity=0, arena=Arena(rt.device))
+    tables = rotary_tables(model, max_len)
+    sp = StepProgram(rt, model, pool, layout, tables, chain, parity=0, arena=Arena(rt.device))
     params = np.zeros((rows, 3), dtype=np.float32)
     rng = np.zeros((rows, 3), dtype=np.int32)
     # every run waits for a clock value of 0 (its own ticks only move the clock past it)

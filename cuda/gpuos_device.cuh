@@ -489,11 +489,39 @@ __device__ __forceinline__ void gpuos_each(int64_t first, int64_t n, int64_t ste
   }
 }
 
-/* gpuos_each over the first n elements of a row, shared by the threads of group G. */
-template <class G, class F>
+/* gpuos_each over the first n elements of a row, shared by the threads of group G. With U > 0,
+ * a contiguous row aligned to 4 elements goes 4 elements a load, U loads a thread in flight (the
+ * rest, past the last whole 4, one by one): a long row (logits: 128K elements for one block) is
+ * then 4 U elements a round trip instead of GPUOS_ILP. U = 0 (short rows: the loop's registers
+ * would cost more than its round trips save) keeps to single loads. Either way each thread sees
+ * its j in increasing order (argmax's lowest index relies on it). */
+template <class G, int U = 0, class F>
 __device__ __forceinline__ void gpuos_row_each(const GpuosRow& row, int64_t n, F f) {
+  int64_t quads = 0; /* whole 4s the vector loop takes */
+  if constexpr (U > 0) {
+    const int64_t size = gpuos_dtype_size(row.dtype);
+    const bool vector = row.step == size && (reinterpret_cast<uint64_t>(row.p) & (4 * size - 1)) == 0;
+    quads = vector ? n / 4 : 0;
+    GPUOS_ROLLED
+    for (int64_t c0 = G::rank(); c0 < quads; c0 += U * G::size()) {
+      float v[U][4];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t c = c0 + u * G::size();
+        gpuos_load4_ptr(row.p + 4 * size * (c < quads ? c : c0), row.dtype, v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t c = c0 + u * G::size();
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (c < quads) f(4 * c + e, v[u][e]);
+        }
+      }
+    }
+  }
   const auto at = [&](int64_t j) { return row.p + j * row.step; };
-  gpuos_each(G::rank(), n, G::size(), row.dtype, at, f);
+  gpuos_each(4 * quads + G::rank(), n, G::size(), row.dtype, at, f);
 }
 
 /* gpuos_row_each over two rows of the same length together: f(j, a[j], b[j]), with the loads of

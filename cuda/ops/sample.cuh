@@ -205,7 +205,7 @@ __device__ __forceinline__ unsigned int gpuos_sample_threshold(const GpuosSample
     for (int b = threadIdx.x; b < GPUOS_SAMPLE_BINS; b += blockDim.x) sh.lo[b] = sh.hi[b] = 0;
     __syncthreads();
     const unsigned int want = prefix & fixed;
-    gpuos_row_each<GpuosBlockGroup>(s.x, s.n, [&](int64_t, float v) {
+    gpuos_row_each<GpuosBlockGroup, GPUOS_ILP>(s.x, s.n, [&](int64_t, float v) {
       const unsigned int key = gpuos_order_key(v);
       if (key >= lo && (key & fixed) == want) {
         const unsigned long long w =
@@ -233,9 +233,31 @@ __device__ __forceinline__ float gpuos_gumbel_key(const GpuosSampleRow& s, float
   return __fadd_rn(__fsub_rn(v, s.m), __fmul_rn(s.temp, -logf(-logf(u))));
 }
 
+/* Group g of four tokens (values v) into the draw's best key and its index: one Philox call,
+ * made only when one of them is kept. */
+__device__ __forceinline__ void gpuos_sample_group(const GpuosSampleRow& s, unsigned int lo,
+                                                   uint2 seed, unsigned int step, int64_t g,
+                                                   const float (&v)[4], float& best,
+                                                   unsigned int& best_j) {
+  bool any = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) any |= 4 * g + i < s.n && gpuos_order_key(v[i]) >= lo;
+  if (!any) return;
+  const uint4 r =
+      gpuos_philox(make_uint4(static_cast<unsigned int>(g), step, 0u, 0u), seed.x, seed.y);
+  const unsigned int x[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (4 * g + i < s.n && gpuos_order_key(v[i]) >= lo) {
+      const float key = gpuos_gumbel_key(s, v[i], x[i]);
+      if (key > best || best_j == GPUOS_SAMPLE_NONE) best = key, best_j = 4 * g + i;
+    }
+  }
+}
+
 /* Step 5: the Gumbel-max draw over the tokens with key >= lo. Threads take groups of four
- * tokens (one Philox call each, made only when one of them is kept), in increasing order; a
- * contiguous, aligned row is read one vector load per group, so a warp's loads stay coalesced. */
+ * tokens in increasing order, GPUOS_ILP groups' loads in flight; a contiguous, aligned row is
+ * read one vector load per group, so a warp's loads stay coalesced. */
 __device__ __forceinline__ unsigned int gpuos_sample_draw(const GpuosSampleRow& s, unsigned int lo,
                                                           uint2 seed, unsigned int step) {
   float best = gpuos_neg_inf();
@@ -244,27 +266,22 @@ __device__ __forceinline__ unsigned int gpuos_sample_draw(const GpuosSampleRow& 
   const unsigned long long address = reinterpret_cast<unsigned long long>(s.x.p);
   const bool vector = s.x.step == size && (address & (4 * size - 1)) == 0;
   GPUOS_ROLLED
-  for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
-    float v[4];
-    if (vector && 4 * g + 3 < s.n) {
-      gpuos_load4_ptr(s.x.p + 4 * g * size, s.x.dtype, v);
-    } else {
+  for (int64_t g0 = threadIdx.x; g0 < groups; g0 += GPUOS_ILP * blockDim.x) {
+    float v[GPUOS_ILP][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = s.x.load(min(4 * g + i, s.n - 1));
-    }
-    bool any = false;
+    for (int u = 0; u < GPUOS_ILP; ++u) {
+      const int64_t g = g0 + u * blockDim.x < groups ? g0 + u * blockDim.x : g0;
+      if (vector && 4 * g + 3 < s.n) {
+        gpuos_load4_ptr(s.x.p + 4 * g * size, s.x.dtype, v[u]);
+      } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) any |= 4 * g + i < s.n && gpuos_order_key(v[i]) >= lo;
-    if (!any) continue;
-    const uint4 r = gpuos_philox(make_uint4(static_cast<unsigned int>(g), step, 0u, 0u), seed.x,
-                                 seed.y);
-    const unsigned int x[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (4 * g + i < s.n && gpuos_order_key(v[i]) >= lo) {
-        const float key = gpuos_gumbel_key(s, v[i], x[i]);
-        if (key > best || best_j == GPUOS_SAMPLE_NONE) best = key, best_j = 4 * g + i;
+        for (int i = 0; i < 4; ++i) v[u][i] = s.x.load(min(4 * g + i, s.n - 1));
       }
+    }
+#pragma unroll
+    for (int u = 0; u < GPUOS_ILP; ++u) {
+      const int64_t g = g0 + u * blockDim.x;
+      if (g < groups) gpuos_sample_group(s, lo, seed, step, g, v[u], best, best_j);
     }
   }
   float key;
@@ -276,7 +293,7 @@ __device__ __forceinline__ unsigned int gpuos_sample_argmax(const GpuosRow& x, i
                                                             float& m) {
   float best = gpuos_neg_inf();
   unsigned int best_j = GPUOS_SAMPLE_NONE;
-  gpuos_row_each<GpuosBlockGroup>(x, n, [&](int64_t j, float v) {
+  gpuos_row_each<GpuosBlockGroup, 2 * GPUOS_ILP>(x, n, [&](int64_t j, float v) {
     if (v > best || best_j == GPUOS_SAMPLE_NONE) best = v, best_j = static_cast<unsigned int>(j);
   });
   return gpuos_block_argmax(best, best_j, m);

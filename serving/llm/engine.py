@@ -47,7 +47,7 @@ from gpuos_core.sampler import rng_words, sample_rows
 from gpuos_core.threads import daemon
 from serving.llm.device_step import Launched, Layout, StepChain, StepProgram, StepResult, fed
 from serving.llm.forward import Span, TorchOps, forward
-from serving.llm.model import KVPool, Model, rotary_cos_sin
+from serving.llm.model import KVPool, Model, rotary_tables
 from serving.llm.sampling import SamplingParams, StopMatcher
 from serving.llm.tokenizer import TextStream, Tokenizer
 
@@ -403,7 +403,11 @@ class Engine:
             _TorchForward(model, self.kv)
             if runtime is None or self.config.micro_ops == "torch"
             else _ProgramForward(
-                runtime, model, self.kv, self._rotary_tables(), self.config.max_step_tokens
+                runtime,
+                model,
+                self.kv,
+                rotary_tables(model, self.max_len),
+                self.config.max_step_tokens,
             )
         )
         self._waiting: deque[_Request] = deque()
@@ -602,17 +606,6 @@ class Engine:
             if chooses:
                 r.inflight, r.feed = r.inflight + 1, pick
         return launched
-
-    def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cos and sin [max_len, head_dim / 2] in the model's dtype (None without rotary)."""
-        c, w = self.model.config, self.model.weights.embed
-        if c.rope_theta is None:
-            return None
-        cos, sin = rotary_cos_sin(
-            torch.arange(self.max_len, device=w.device), c.head_dim, c.rope_theta, c.rope_scaling
-        )
-        half = c.head_dim // 2
-        return cos[:, :half].to(w.dtype).contiguous(), sin[:, :half].to(w.dtype).contiguous()
 
     # -- sampling and output -------------------------------------------------------------------
     def _collect(self, step: _Step, out: StepResult) -> None:

@@ -929,6 +929,18 @@ def rotary_cos_sin(
     return emb.cos() * attention, emb.sin() * attention
 
 
+def rotary_tables(model: Model, max_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos and sin [max_len, head_dim / 2] in the model's dtype, on its device, for the device
+    step's rotary (None for a model without rotary embeddings)."""
+    c, w = model.config, model.weights.embed
+    if c.rope_theta is None:
+        return None
+    positions = torch.arange(max_len, device=w.device)
+    cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling)
+    half = c.head_dim // 2
+    return cos[:, :half].to(w.dtype).contiguous(), sin[:, :half].to(w.dtype).contiguous()
+
+
 def apply_rotary(
     x: torch.Tensor, positions: torch.Tensor, theta: float, scaling: RopeScaling | None = None
 ) -> torch.Tensor:

@@ -183,6 +183,21 @@ def test_reductions_over_dims_with_keepdim(rt: Runtime, op: str, dtype: torch.dt
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["swiglu", "gelu_tanh", "add"])
+def test_map_over_views_of_rows(rt: Runtime, op: str, dtype: torch.dtype) -> None:
+    """The halves of one projection's rows (swiglu's gate and up), rows whose starts are not 4
+    elements apart, and a view that starts off a 4-element boundary: each as the reference."""
+    spec, gen = CATALOGUE[op], torch.Generator().manual_seed(random.randrange(2**31))
+    base = map_inputs(rt, spec, [(37, 48)] * spec.arity, dtype, gen)
+    halves = tuple(x.chunk(2, dim=-1)[k % 2] for k, x in enumerate(base))
+    ragged = tuple(x.view(-1)[: 37 * 46].view(37, 46)[:, :44] for x in base)
+    shifted = tuple(x[:, 1:25] for x in base)
+    for xs in (halves, ragged, shifted):
+        assert not xs[0].is_contiguous()
+        check(rt, OpCall(op, xs, scalars=default_scalars(spec)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", ["sum", "mean"])
 def test_long_reductions_over_contiguous_inner_dims(
     rt: Runtime, op: str, dtype: torch.dtype
