@@ -374,19 +374,25 @@ __device__ __forceinline__ int64_t gpuos_numel_dims(const GpuosTensorRef& ref, u
   return n;
 }
 
-/* True when `ref` is laid out row-major with no gaps and no broadcast, so the element at linear
- * index i lives at offset i. Dims of size 1 never move the index, so their stride is ignored. */
-__device__ __forceinline__ bool gpuos_is_contiguous(const GpuosTensorRef& ref) {
+/* True when the dims of `ref` selected by `dims` are laid out row-major among themselves with no
+ * gaps and no broadcast, so element k of them (row-major over those dims) sits k elements past
+ * their first. Dims of size 1 never move the index, so their stride is ignored. */
+__device__ __forceinline__ bool gpuos_dims_packed(const GpuosTensorRef& ref, unsigned int dims) {
   int64_t expect = 1;
   bool ok = true;
 #pragma unroll
   for (int d = GPUOS_MAX_DIMS - 1; d >= 0; --d) {
-    if (d < ref.ndim && ref.sizes[d] != 1) {
+    if (d < ref.ndim && ((dims >> d) & 1u) && ref.sizes[d] != 1) {
       ok = ok && ref.strides[d] == expect;
       expect *= ref.sizes[d];
     }
   }
   return ok;
+}
+
+/* The whole of `ref` packed: the element at linear index i lives at offset i. */
+__device__ __forceinline__ bool gpuos_is_contiguous(const GpuosTensorRef& ref) {
+  return gpuos_dims_packed(ref, GPUOS_ALL_DIMS);
 }
 
 /* ---- rows: the last dim ------------------------------------------------------------------- */
@@ -489,6 +495,13 @@ __device__ __forceinline__ void gpuos_each(int64_t first, int64_t n, int64_t ste
   }
 }
 
+/* Whether `row` is contiguous and starts aligned to 4 elements: every 4 from its start are one
+ * vector load (gpuos_load4_ptr). */
+__device__ __forceinline__ bool gpuos_row_vec4(const GpuosRow& row) {
+  const int64_t size = gpuos_dtype_size(row.dtype);
+  return row.step == size && (reinterpret_cast<uint64_t>(row.p) & (4 * size - 1)) == 0;
+}
+
 /* gpuos_each over the first n elements of a row, shared by the threads of group G. With U > 0,
  * a contiguous row aligned to 4 elements goes 4 elements a load, U loads a thread in flight (the
  * rest, past the last whole 4, one by one): a long row (logits: 128K elements for one block) is
@@ -500,8 +513,7 @@ __device__ __forceinline__ void gpuos_row_each(const GpuosRow& row, int64_t n, F
   int64_t quads = 0; /* whole 4s the vector loop takes */
   if constexpr (U > 0) {
     const int64_t size = gpuos_dtype_size(row.dtype);
-    const bool vector = row.step == size && (reinterpret_cast<uint64_t>(row.p) & (4 * size - 1)) == 0;
-    quads = vector ? n / 4 : 0;
+    quads = gpuos_row_vec4(row) ? n / 4 : 0;
     GPUOS_ROLLED
     for (int64_t c0 = G::rank(); c0 < quads; c0 += U * G::size()) {
       float v[U][4];

@@ -68,7 +68,8 @@ __device__ __forceinline__ int64_t gpuos_map_vec4(const GpuosTask* t) {
   for (int64_t i = t->range_begin + 4 * threadIdx.x; i < end; i += 4 * blockDim.x) {
     float a[ARITY][4], r[4];
 #pragma unroll
-    for (int k = 0; k < ARITY; ++k) gpuos_load4(t->in[k], gpuos_map_offset<CONTIGUOUS>(t->in[k], i), a[k]);
+    for (int k = 0; k < ARITY; ++k)
+      gpuos_load4(t->in[k], gpuos_map_offset<CONTIGUOUS>(t->in[k], i), a[k]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       float x[ARITY];

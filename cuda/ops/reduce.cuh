@@ -29,22 +29,6 @@ __device__ __forceinline__ int64_t gpuos_reduce_base(const GpuosTask* t, int64_t
   return gpuos_offset_dims(t->out, t->in[0], o, GPUOS_ALL_DIMS);
 }
 
-/* Whether element k of the reduced dims (row-major over them) sits k elements past an output's
- * first one: the reduced dims laid out row-major among themselves, innermost stride 1 (a sum over
- * a row of logits). gpuos_row_each then reads them 4 at a load, without index arithmetic. */
-__device__ __forceinline__ bool gpuos_reduce_packed(const GpuosTensorRef& x, unsigned int mask) {
-  int64_t expect = 1;
-  bool ok = true;
-#pragma unroll
-  for (int d = GPUOS_MAX_DIMS - 1; d >= 0; --d) {
-    if (d < x.ndim && ((mask >> d) & 1u) && x.sizes[d] != 1) {
-      ok = ok && x.strides[d] == expect;
-      expect *= x.sizes[d];
-    }
-  }
-  return ok;
-}
-
 template <bool MEAN>
 __device__ __forceinline__ void gpuos_reduce_store(const GpuosTask* t, int64_t o, float s,
                                                    int64_t n) {
@@ -63,7 +47,8 @@ __device__ __forceinline__ void gpuos_reduce(const GpuosTask* t) {
       gpuos_reduce_store<MEAN>(t, o, gpuos_reduce_partial(x, mask, base, n, 0, 1), n);
     }
   } else {
-    const bool packed = gpuos_reduce_packed(x, mask);
+    /* a row of logits: its elements k apart, read 4 at a load without index arithmetic */
+    const bool packed = gpuos_dims_packed(x, mask);
     GpuosRow row = gpuos_vector(x);
     row.step = gpuos_dtype_size(x.dtype);
     GPUOS_ROLLED

@@ -263,8 +263,7 @@ __device__ __forceinline__ unsigned int gpuos_sample_draw(const GpuosSampleRow& 
   float best = gpuos_neg_inf();
   unsigned int best_j = GPUOS_SAMPLE_NONE;
   const int64_t groups = (s.n + 3) / 4, size = gpuos_dtype_size(s.x.dtype);
-  const unsigned long long address = reinterpret_cast<unsigned long long>(s.x.p);
-  const bool vector = s.x.step == size && (address & (4 * size - 1)) == 0;
+  const bool vector = gpuos_row_vec4(s.x);
   GPUOS_ROLLED
   for (int64_t g0 = threadIdx.x; g0 < groups; g0 += GPUOS_ILP * blockDim.x) {
     float v[GPUOS_ILP][4];
