@@ -3,13 +3,15 @@
 in turn), read as stages (a task's records) along the program's critical path. Needs CUDA.
 
     python3 bench/step_trace.py --out bench/results [--shape gpt2] [--rows 1 64] [--reps 30]
-        [--max-len 128] [--raw DIR]
+        [--max-len 128] [--prefill PROMPTS TOKENS] [--raw DIR]
 
 Per program: the median wall time of a run (submit to completion, traced worker), then along the
 critical path of its last run (walking back from the last record to finish, each time to the
 producer that finished last): per stage, its edge (its first record's waits met, after its latest
 producer's last record was done), its span (first record ready to last record done) and its
-records' median run time. Sums by operator name say what the step spends its time on. Writes
+records' median run time. Sums by operator name say what the step spends its time on; so does
+the SM time each operator's records ran, which for a prefill step (many stages side by side)
+says more than its path. Writes
 step-trace-<device>.json to --out, and with --raw every record's times and marks (.npz, one per
 program) for questions the sums do not answer.
 """
@@ -139,6 +141,16 @@ def by_op(path: list[dict]) -> dict[str, dict]:
     return dict(sorted(out.items(), key=lambda kv: -(kv[1]["edge_us"] + kv[1]["span_us"])))
 
 
+def busy(program: Program, rec: Records) -> dict[str, float]:
+    """µs of SM time each operator's records ran (ready to done), summed over all records: where
+    a step's time goes when many stages run side by side (a prefill step), unlike its path."""
+    tl = program.tasks
+    ops = np.array([tl.op_names[tl.op_of_task[t]] for t in tl.owners.tolist()])
+    run = rec.done - rec.ready
+    out = {str(op): float(run[ops == op].sum()) for op in np.unique(ops)}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def measure(rt: Runtime, name: str, program: Program, reps: int, raw: Path | None) -> dict:
     """Median wall ms of `reps` runs, then the trace of the last (its records into `raw`)."""
     rt.submit(program).wait(60).check()  # first run: warm
@@ -161,6 +173,7 @@ def measure(rt: Runtime, name: str, program: Program, reps: int, raw: Path | Non
         "path_stages": len(path),
         "path": path,
         "by_op": by_op(path),
+        "busy_us_by_op": busy(program, rec),
         "sms_used": int(len(np.unique(rec.sm))),
         "claim_to_ready_med_us": float(np.median(rec.ready - rec.claimed)),
     }
@@ -197,6 +210,9 @@ def show(r: dict) -> None:
     for op, o in r["by_op"].items():
         per = (o["edge_us"] + o["span_us"]) / o["stages"]
         print(f"{op:>16} {o['stages']:>6} {o['edge_us']:>9.1f} {o['span_us']:>9.1f} {per:>10.2f}")
+    sm_us = r["sms_used"] * r["device_ms"] * 1e3
+    busy = ", ".join(f"{op} {us / sm_us:.1%}" for op, us in list(r["busy_us_by_op"].items())[:8])
+    print(f"busy SM time (of {r['sms_used']} SMs x device time): {busy}")
     edges = [s["edge_us"] for s in r["path"][1:]]
     if edges:
         print(f"edges: median {statistics.median(edges):.2f} us, total {sum(edges):.1f} us")
@@ -239,33 +255,50 @@ def chain(rt: Runtime, ops: list[str], n: int, hidden: int, dtype: torch.dtype) 
     return build.build()
 
 
-def step(rt: Runtime, shape: str, rows: int, max_len: int, where: Path) -> Program:
-    """The decode step program of `rows` decode rows, every row at position 64, in KV slots of
-    `max_len` tokens."""
+def step(rt: Runtime, shape: str, spans: list[Span], max_len: int, where: Path) -> Program:
+    """The step program of `spans` (one KV slot each, numbered from 0) in KV slots of `max_len`
+    tokens, its inputs written once."""
     model = make_model(shape, "cuda", where / shape)
-    pool = KVPool.allocate(model.config, rows, max_len, model.dtype, "cuda")
+    slots = len(spans)
+    pool = KVPool.allocate(model.config, slots, max_len, model.dtype, "cuda")
     pool.keys.normal_()
     pool.values.normal_()
-    spans = [Span(slot, 64, (1,)) for slot in range(rows)]
-    chain = StepChain(2 * rows, rt.device)
-    layout = Layout.of(spans, rows)
+    layout = Layout.of(spans, slots)
+    chain = StepChain(layout.picks, rt.device)
     tables = rotary_tables(model, max_len)
     sp = StepProgram(rt, model, pool, layout, tables, chain, parity=0, arena=Arena(rt.device))
-    params = np.zeros((rows, 3), dtype=np.float32)
-    rng = np.zeros((rows, 3), dtype=np.int32)
+    params = np.zeros((len(spans), 3), dtype=np.float32)
+    rng = np.zeros((len(spans), 3), dtype=np.int32)
     # every run waits for a clock value of 0 (its own ticks only move the clock past it)
     sp.inputs.write(spans, sp.layout.place(spans), pool.max_len, params, rng, expect=0)
     sp.inputs.device.copy_(sp.inputs.host)  # once: the runs below submit the program alone
     return sp.program
 
 
+def decoding(rows: int) -> list[Span]:
+    """`rows` decode rows, every one at position 64."""
+    return [Span(slot, 64, (1,)) for slot in range(rows)]
+
+
+def prefilling(prompts: int, tokens: int) -> list[Span]:
+    """`prompts` prompts of `tokens` tokens each, all at once (as bench/llm.py admits them)."""
+    return [Span(slot, 0, tuple(range(1, tokens + 1))) for slot in range(prompts)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--shape", default="gpt2")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--max-len", type=int, default=128, help="tokens a KV slot holds")
+    ap.add_argument(
+        "--prefill",
+        type=int,
+        nargs=2,
+        metavar=("PROMPTS", "TOKENS"),
+        help="also a step of PROMPTS prompts of TOKENS tokens (a prefill step)",
+    )
     ap.add_argument(
         "--raw", type=Path, help="also write each program's records (µs, marks, ops) as .npz here"
     )
@@ -285,12 +318,16 @@ def main() -> None:
                     args.raw,
                 )
             )
-        for rows in args.rows:
+        steps = [(f"{rows} decode rows", decoding(rows)) for rows in args.rows]
+        if args.prefill:
+            prompts, tokens = args.prefill
+            steps.append((f"{prompts} prompts of {tokens}", prefilling(prompts, tokens)))
+        for what, spans in steps:
             results.append(
                 measure(
                     rt,
-                    f"{args.shape} step, {rows} decode rows, slots of {args.max_len}",
-                    step(rt, args.shape, rows, args.max_len, Path(tmp)),
+                    f"{args.shape} step, {what}, slots of {args.max_len}",
+                    step(rt, args.shape, spans, args.max_len, Path(tmp)),
                     args.reps,
                     args.raw,
                 )

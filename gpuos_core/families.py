@@ -419,10 +419,12 @@ class AttentionFamily(Family):
     def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
         """Records of neighbouring items, ATTENTION_RECORDS_PER_SM per multiprocessor at most (so
         that blocks claiming them even out ragged rows); in warp mode the items of about
-        ATTENTION_WARPS groups each, and at least a record per SM. One record when None."""
+        ATTENTION_WARPS groups each, and at least a record per SM; multiprocessors as the plan is
+        cut for (AttentionPlan.sms). One record when None."""
         if tile_elements is None:
             return [(0, task.items)]
-        sms, plan = _sm_count(task.inputs[0].device), AttentionPlan.of(*task.inputs)
+        plan = AttentionPlan.of(*task.inputs)
+        sms = plan.sms(task.inputs[0].device)
         if plan.warps:
             records = max(_ceil_div(plan.groups, ATTENTION_WARPS), sms)
         else:
@@ -893,6 +895,7 @@ class AttentionPlan:
     d: int  # D
     splits: int  # S
     warps: bool = False  # W: warp mode, where the device can run it
+    readers: int = 1  # groups that read one K and V (a prefill chunk's rows share their slot's)
 
     @property
     def nq(self) -> int:
@@ -943,8 +946,10 @@ class AttentionPlan:
             if lead[dim] != 1 and (k.stride(dim) or v.stride(dim) or lengths.stride(dim)):
                 break
             group *= lead[dim]
-        plan = cls(math.prod(lead), max(group, 1), k.shape[-2], q.shape[-1], 1)
-        sms, short = _sm_count(q.device), _ceil_div(plan.keys, ATTENTION_WARP_KEYS)
+        group = max(group, 1)
+        shared = math.prod(n for dim, n in enumerate(lead) if not (k.stride(dim) or v.stride(dim)))
+        plan = cls(math.prod(lead), group, k.shape[-2], q.shape[-1], 1, readers=shared // group)
+        sms, short = plan.sms(q.device), _ceil_div(plan.keys, ATTENTION_WARP_KEYS)
         if plan.groups >= sms and short <= ATTENTION_WARP_SPLITS:
             plan = replace(plan, splits=short, warps=True)
         else:
@@ -952,6 +957,13 @@ class AttentionPlan:
             most = _ceil_div(plan.keys, ATTENTION_ALIGN)
             plan = replace(plan, splits=max(1, min(want, most)))
         return replace(plan, splits=_ceil_div(plan.keys, plan.chunk))  # no split without keys
+
+    def sms(self, device: torch.device) -> int:
+        """Multiprocessors the task is cut for: all, or a `readers`-th of them where that many
+        groups read one K and V. A prefill step has a task per chunk of a prompt, each reading
+        its one slot's keys: cut for the whole machine, every chunk's task took a record per SM
+        (50k records in a GPT-2 step of 512 prompt rows) for a slot's worth of keys."""
+        return _ceil_div(_sm_count(device), self.readers)
 
     def workspace(self, device: torch.device) -> torch.Tensor:
         """Zeroed (the counters must be), after the header the device reads the plan from."""

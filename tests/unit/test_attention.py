@@ -205,6 +205,27 @@ def test_plan_takes_warp_mode_for_a_group_per_sm_or_more() -> None:
     assert (long.groups, long.warps, long.splits) == (512, False, 2)
 
 
+def test_a_prefill_chunk_reading_one_slot_is_cut_for_its_share_of_the_sms(rt: Runtime) -> None:
+    """A prefill chunk's 16 rows read one slot's keys (K and V broadcast over the rows, a length
+    each): its task is cut for a 16th of the SMs, the step's other chunks taking the rest, so it
+    is 24 records of 8 groups, not a record per SM; rows of their own slots keep every SM."""
+    rows, heads, keys, d = 16, 12, 1024, 64
+    q = torch.zeros(rows, heads, 1, d, device=rt.device)
+    own = torch.zeros(rows, heads, 1, keys, d, device=rt.device)
+    slot = own[:1].expand(rows, heads, 1, keys, d)
+    lengths = ints(rt, list(range(1, rows + 1))).view(rows, 1, 1)
+    every, sms = lengths.expand(rows, heads, 1), fam._sm_count(q.device)
+    chunk = AttentionPlan.of(q, slot, slot, every)
+    assert (chunk.readers, chunk.sms(q.device)) == (16, -(-sms // 16))
+    assert AttentionPlan.of(q, own, own, every).sms(q.device) == sms
+
+    def records(k: torch.Tensor) -> int:
+        task = rt.prepare(OpCall("attention_decode", (q, k, k, lengths)))
+        return len(fam.family("attention_decode").ranges(task, 16384))
+
+    assert (records(slot), records(own)) == (rows * heads // fam.ATTENTION_WARPS, sms)
+
+
 def test_each_row_is_owned_by_exactly_one_record_whatever_the_cut() -> None:
     plan = AttentionPlan.of(*views(3, 2, 7, 1000, 64))  # groups of 7 rows: items of 7 and 0
     assert plan.nq == 7 and plan.splits > 1
