@@ -99,7 +99,10 @@ class Family:
         total = max(x.numel() for x in task.inputs)
         spread = -(-total // _sm_count(task.inputs[0].device))
         tile = min(tile_elements, max(MIN_RECORD_ELEMENTS, spread))
-        step = max(1, tile // max(1, total // max(task.items, 1)))
+        per = max(1, total // max(task.items, 1))
+        # A tile that spreads the task over the SMs takes whole items rounded up: one wave of
+        # records (512 rows on 132 SMs: 128 records of 4, where 171 records of 3 took two).
+        step = max(1, -(-tile // per) if tile == spread else tile // per)
         bounds = list(range(0, task.items, step)) or [0]
         return list(zip(bounds, bounds[1:] + [task.items]))
 

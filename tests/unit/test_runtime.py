@@ -260,6 +260,17 @@ def test_tiles_cover_every_work_item_once(cpu_rt: Runtime) -> None:
     assert len(encode_records(task, tile_elements=None)) == 1
 
 
+def test_rows_spread_over_the_sms_take_one_wave_of_records(cpu_rt: Runtime) -> None:
+    """512 rows of 768 (a prefill step's norm) on 132 SMs: 128 records of 4 rows, one wave, where
+    rounding down made 171 of 3 (two waves); 64 rows keep a record each. (Off a GPU, plans
+    assume 132 SMs: families.DEFAULT_SMS.)"""
+    for rows, want in ((512, [4] * 128), (64, [1] * 64)):
+        task = cpu_rt.prepare(OpCall("softmax", (torch.randn(rows, 768),)))
+        records = encode_records(task, tile_elements=16384)
+        sizes = (records["range_end"] - records["range_begin"]).tolist()
+        assert sizes == want
+
+
 def test_closed_runtime_refuses_work(tmp_path) -> None:
     runtime = Runtime(config=RuntimeConfig(backend="cpu", cache_dir=tmp_path))
     runtime.close()
