@@ -141,11 +141,16 @@ def by_op(path: list[dict]) -> dict[str, dict]:
     return dict(sorted(out.items(), key=lambda kv: -(kv[1]["edge_us"] + kv[1]["span_us"])))
 
 
+def record_ops(program: Program) -> np.ndarray:
+    """The operator name of each of the program's records, in program order."""
+    tl = program.tasks
+    return np.array([tl.op_names[tl.op_of_task[t]] for t in tl.owners.tolist()])
+
+
 def busy(program: Program, rec: Records) -> dict[str, float]:
     """µs of SM time each operator's records ran (ready to done), summed over all records: where
     a step's time goes when many stages run side by side (a prefill step), unlike its path."""
-    tl = program.tasks
-    ops = np.array([tl.op_names[tl.op_of_task[t]] for t in tl.owners.tolist()])
+    ops = record_ops(program)
     run = rec.done - rec.ready
     out = {str(op): float(run[ops == op].sum()) for op in np.unique(ops)}
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
@@ -185,8 +190,6 @@ def save_raw(path: Path, name: str, program: Program, rec: Records) -> None:
     """The run's records in program order: SM, claimed, ready, done (µs), marks (µs after ready,
     stale ones NaN), and each record's task and operator name."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tl = program.tasks
-    names = np.array([tl.op_names[tl.op_of_task[t]] for t in tl.owners.tolist()])
     np.savez_compressed(
         path,
         name=name,
@@ -195,8 +198,8 @@ def save_raw(path: Path, name: str, program: Program, rec: Records) -> None:
         ready=rec.ready,
         done=rec.done,
         marks=rec.marks,
-        task=tl.owners,
-        op=names,
+        task=program.tasks.owners,
+        op=record_ops(program),
     )
 
 
