@@ -34,7 +34,7 @@ from llm import make_model  # bench/ is the script's directory
 from gpuos_core import OpCall, Runtime, RuntimeConfig
 from gpuos_core.config import CudaConfig
 from gpuos_core.program import Arena, Program
-from serving.llm.device_step import Layout, StepChain, StepProgram
+from serving.llm.device_step import Layout, StepChain, StepProgram, fusable
 from serving.llm.forward import Span
 from serving.llm.model import KVPool, rotary_tables
 
@@ -269,7 +269,8 @@ def step(rt: Runtime, shape: str, spans: list[Span], max_len: int, where: Path) 
     layout = Layout.of(spans, slots)
     chain = StepChain(layout.picks, rt.device)
     tables = rotary_tables(model, max_len)
-    sp = StepProgram(rt, model, pool, layout, tables, chain, parity=0, arena=Arena(rt.device))
+    arena = Arena(rt.device)
+    sp = StepProgram(rt, model, pool, layout, tables, chain, 0, arena, fusable(rt))
     params = np.zeros((len(spans), 3), dtype=np.float32)
     rng = np.zeros((len(spans), 3), dtype=np.int32)
     # every run waits for a clock value of 0 (its own ticks only move the clock past it)

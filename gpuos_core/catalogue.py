@@ -197,6 +197,8 @@ def _builtin() -> dict[str, OpSpec]:
         _fixed("sample_tokens", "sample_tokens", 3, 3),
         _fixed("linear", "linear", 3, 2),  # x @ weight.T [+ bias]
         _fixed("linear_parts", "linear_parts", 3, 2),  # its K splits' sums, for add_*norm
+        _fixed("linear_gelu", "linear_gelu", 3, 2),  # gelu(linear): an MLP's up projection
+        _fixed("linear_gelu_tanh", "linear_gelu_tanh", 3, 2),
         _fixed("feed_tokens", "feed_tokens", 4, 4),  # the LLM engine's chained steps
         _fixed("tick", "tick", 1, 1),
     ]

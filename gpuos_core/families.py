@@ -19,6 +19,7 @@ from .abi import MAX_DIMS, TASK_EARLY
 from .calls import LaidOut, Params
 from .errors import TensorSpecError
 from .expr import Expr, evaluate
+from .mathlib import FUNCTIONS
 from .sampler import sample_rows
 
 Tensors = Sequence[torch.Tensor]
@@ -788,14 +789,18 @@ class LinearFamily(Family):
 
     `parts` (linear_parts): out is fp32 [S, *x.shape[:-1], N], the sums of the plan's S ranges of
     K, split 0's with the bias; their sum is the linear. A consumer that sums them (the fused
-    residual norms) spares the linear its combine. Input 3 is then an empty [S, 0] tensor."""
+    residual norms) spares the linear its combine. Input 3 is then an empty [S, 0] tensor.
+
+    `activation` (linear_gelu, linear_gelu_tanh): out is that math function (mathlib) of the
+    linear, applied in fp32 before out's rounding."""
 
     header, flags = "ops/linear.cuh", TASK_EARLY  # its records warm their weights while x is made
 
-    def __init__(self, parts: bool = False) -> None:
-        self.parts = parts
-        self.name = "linear_parts" if parts else "linear"
-        self.macro = "GPUOS_DEFINE_LINEAR_PARTS" if parts else "GPUOS_DEFINE_LINEAR"
+    def __init__(self, parts: bool = False, activation: str | None = None) -> None:
+        assert not (parts and activation), "parts are not final values: no activation"
+        self.parts, self.activation = parts, activation
+        self.name = "linear_parts" if parts else "_".join(filter(None, ("linear", activation)))
+        self.macro = "GPUOS_DEFINE_" + self.name.upper()
         self.out_dtype = torch.float32 if parts else None
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
@@ -831,6 +836,8 @@ class LinearFamily(Family):
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
         x, w = xs[0], xs[1]
         bias = xs[2] if len(xs) > 2 and xs[2].numel() else None
+        if self.activation is not None:
+            return FUNCTIONS[self.activation].torch(torch.nn.functional.linear(x, w, bias))
         if not self.parts:
             return torch.nn.functional.linear(x, w, bias)
         bounds = self._plan(xs).bounds
@@ -1023,6 +1030,8 @@ _FAMILIES: tuple[Family, ...] = (
     SampleFamily(),
     LinearFamily(),
     LinearFamily(parts=True),
+    LinearFamily(activation="gelu"),
+    LinearFamily(activation="gelu_tanh"),
     FeedTokensFamily(),
     TickFamily(),
 )

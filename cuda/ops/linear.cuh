@@ -8,6 +8,9 @@
  *           between tasks: the last arrival resets its counter), padded to a multiple of 4
  *           words, then S * T partial blocks of P x 64 fp32, T = MB * NT tiles;
  *   out [..., N] with x's leading dims, any float dtype; computed in fp32.
+ * Activation (the catalogue's linear_gelu and linear_gelu_tanh): out holds gelu (erf or tanh
+ * form, computed as ops/math.cuh computes it for the map operators) of each final value, in fp32
+ * before out's rounding: an MLP's up projection without a stage of its own for its gelu.
  * Parts mode (GPUOS_DEFINE_LINEAR_PARTS, the catalogue's linear_parts): out is [S, ..., N], one
  * more leading dim than x, and in[3] is empty: split s stores its partial sums over its k range as
  * rows s * M .. s * M + M - 1 of out, split 0 with the bias added, and no split combines them. Its
@@ -46,6 +49,7 @@
 #pragma once
 
 #include "gpuos_device.cuh" /* found through -I<repo>/cuda */
+#include "ops/math.cuh"
 
 #define GPUOS_LINEAR_BM 64          /* rows of x per m-block */
 #define GPUOS_LINEAR_BN 64          /* outputs per n-tile */
@@ -67,6 +71,18 @@ struct GpuosLinearPlan {
   bool fast;            /* the tensor-core path applies */
   bool parts;           /* parts mode: the splits' partial sums are the output */
 };
+
+/* The activation an operator applies to its final values (not to partial sums). */
+#define GPUOS_LINEAR_IDENTITY 0
+#define GPUOS_LINEAR_GELU 1
+#define GPUOS_LINEAR_GELU_TANH 2
+
+template <int ACT>
+__device__ __forceinline__ float gpuos_linear_act(float v) {
+  if constexpr (ACT == GPUOS_LINEAR_GELU) return gpuos_gelu(v);
+  if constexpr (ACT == GPUOS_LINEAR_GELU_TANH) return gpuos_gelu_tanh(v);
+  return v;
+}
 
 /* Words of the workspace's counters for `tiles` tiles: rounded up so that the partial blocks
  * after them are 16-byte aligned. */
@@ -239,7 +255,7 @@ __device__ __forceinline__ float* gpuos_linear_part(const GpuosTask* t, const Gp
  * of 4 outputs (quads): a thread takes C quads at a time with U splits of each, all C U loads in
  * flight together and its quads' biases with them. UNIFORM: rows of out are p.ors apart (the
  * tensor-core path's condition), stored through a GpuosLinearSink; else through out's dims. */
-template <bool UNIFORM, int C, int U>
+template <int ACT, bool UNIFORM, int C, int U>
 __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
                                                            const GpuosLinearPlan& p,
                                                            const GpuosLinearItem& it) {
@@ -285,8 +301,10 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int m = GPUOS_LINEAR_BM * it.mb + quad[c] / QUADS;
-      const float out[4] = {sum[c].x + bias[c][0], sum[c].y + bias[c][1], sum[c].z + bias[c][2],
-                            sum[c].w + bias[c][3]};
+      const float out[4] = {gpuos_linear_act<ACT>(sum[c].x + bias[c][0]),
+                            gpuos_linear_act<ACT>(sum[c].y + bias[c][1]),
+                            gpuos_linear_act<ACT>(sum[c].z + bias[c][2]),
+                            gpuos_linear_act<ACT>(sum[c].w + bias[c][3])};
       if constexpr (UNIFORM) {
         sink.store2(m, n[c], out[0], out[1]);
         sink.store2(m, n[c] + 2, out[2], out[3]);
@@ -304,13 +322,13 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
  * of 2 quads (at 64 rows, 4 quads a thread: two rounds of loads instead of four). WIDE: an
  * m-block may have more quads than the block threads (more than 16 rows); else the one-quad
  * version alone is compiled, which spares the small-M paths its registers. */
-template <bool UNIFORM, bool WIDE>
+template <int ACT, bool UNIFORM, bool WIDE>
 __device__ __forceinline__ void gpuos_linear_combine(const GpuosTask* t, const GpuosLinearPlan& p,
                                                      const GpuosLinearItem& it) {
   if (WIDE && it.rows * (GPUOS_LINEAR_BN / 4) > static_cast<int>(blockDim.x)) {
-    gpuos_linear_combine_quads<UNIFORM, 2, 4>(t, p, it);
+    gpuos_linear_combine_quads<ACT, UNIFORM, 2, 4>(t, p, it);
   } else {
-    gpuos_linear_combine_quads<UNIFORM, 1, 8>(t, p, it);
+    gpuos_linear_combine_quads<ACT, UNIFORM, 1, 8>(t, p, it);
   }
 }
 
@@ -318,7 +336,7 @@ __device__ __forceinline__ void gpuos_linear_combine(const GpuosTask* t, const G
  * block that completes the tile, combine it. All threads call; `last` is shared scratch (read
  * here before any thread can pass the next call's first barrier, where it is rewritten). WIDE as
  * in gpuos_linear_combine. */
-template <bool UNIFORM, bool WIDE>
+template <int ACT, bool UNIFORM, bool WIDE>
 __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const GpuosLinearPlan& p,
                                                     const GpuosLinearItem& it, int* last) {
   if (!gpuos_linear_combined(p)) return;
@@ -330,13 +348,14 @@ __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const Gp
   __syncthreads();
   GPUOS_MARK(4);
   if (*last) {
-    gpuos_linear_combine<UNIFORM, WIDE>(t, p, it);
+    gpuos_linear_combine<ACT, UNIFORM, WIDE>(t, p, it);
     GPUOS_MARK(5);
   }
 }
 
 /* ---- the CUDA-core path --------------------------------------------------------------------- */
 
+template <int ACT>
 __device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const GpuosLinearPlan& p,
                                                      int* last) {
   const GpuosTensorRef &x = t->in[0], &w = t->in[1];
@@ -358,10 +377,11 @@ __device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const G
         gpuos_linear_part(t, p, it, it.s)[r * GPUOS_LINEAR_BN + c] = sum;
       } else {
         const float v = sum + (gpuos_linear_biased(p, it) ? gpuos_linear_bias(t, p, n) : 0.0f);
-        gpuos_linear_final(t, gpuos_linear_out_row(p, it, GPUOS_LINEAR_BM * it.mb + r), n, v);
+        const int m = gpuos_linear_out_row(p, it, GPUOS_LINEAR_BM * it.mb + r);
+        gpuos_linear_final(t, m, n, gpuos_linear_act<ACT>(v));
       }
     }
-    gpuos_linear_arrive<false, true>(t, p, it, last);
+    gpuos_linear_arrive<ACT, false, true>(t, p, it, last);
   }
 }
 
@@ -535,7 +555,7 @@ __device__ __forceinline__ void gpuos_linear_issue(const GpuosLinearSource& src,
  * for x where W is settled (gpuos_settled: no producer in the program writes it), so a record
  * whose weights fit in them has them in shared memory when x is ready. Warps past
  * GPUOS_LINEAR_WARPS (blocks over 256 threads) keep the barriers, nothing else. */
-template <int R, bool BF16>
+template <int ACT, int R, bool BF16>
 __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const GpuosLinearPlan& p,
                                                  int* last) {
   using Pipe = GpuosLinearPipe<R>;
@@ -656,27 +676,29 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
             *reinterpret_cast<float2*>(part + r * GPUOS_LINEAR_BN + c) = make_float2(v0, v1);
             continue;
           }
-          sink.store2(gpuos_linear_out_row(p, it, m), n, v0 + bias[f][0], v1 + bias[f][1]);
+          sink.store2(gpuos_linear_out_row(p, it, m), n, gpuos_linear_act<ACT>(v0 + bias[f][0]),
+                      gpuos_linear_act<ACT>(v1 + bias[f][1]));
         }
       }
     }
     GPUOS_MARK(1);
-    gpuos_linear_arrive<true, (R > 16)>(t, p, it, last);
+    gpuos_linear_arrive<ACT, true, (R > 16)>(t, p, it, last);
   }
   gpuos_cp_async_wait<0>(); /* no copy may land in shared memory after the operator returned */
 }
 
-template <int R>
+template <int ACT, int R>
 __device__ __forceinline__ void gpuos_linear_mma_dtype(const GpuosTask* t, const GpuosLinearPlan& p,
                                                        int* last) {
   if (t->in[0].dtype == GPUOS_DTYPE_BF16) {
-    gpuos_linear_mma<R, true>(t, p, last);
+    gpuos_linear_mma<ACT, R, true>(t, p, last);
   } else {
-    gpuos_linear_mma<R, false>(t, p, last);
+    gpuos_linear_mma<ACT, R, false>(t, p, last);
   }
 }
 
-template <bool PARTS>
+/* ACT: GPUOS_LINEAR_IDENTITY in parts mode (the parts are not final values). */
+template <bool PARTS, int ACT>
 __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
   __shared__ GpuosLinearPlan plan;
   __shared__ int last;
@@ -692,19 +714,23 @@ __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
   const int rows = min(plan.m, GPUOS_LINEAR_BM);
   if (!plan.fast) {
     gpuos_await(t);
-    gpuos_linear_generic(t, plan, &last);
+    gpuos_linear_generic<ACT>(t, plan, &last);
   } else if (rows <= 8) {
-    gpuos_linear_mma_dtype<8>(t, plan, &last);
+    gpuos_linear_mma_dtype<ACT, 8>(t, plan, &last);
   } else if (rows <= 16) {
-    gpuos_linear_mma_dtype<16>(t, plan, &last);
+    gpuos_linear_mma_dtype<ACT, 16>(t, plan, &last);
   } else if (rows <= 32) {
-    gpuos_linear_mma_dtype<32>(t, plan, &last);
+    gpuos_linear_mma_dtype<ACT, 32>(t, plan, &last);
   } else {
-    gpuos_linear_mma_dtype<64>(t, plan, &last);
+    gpuos_linear_mma_dtype<ACT, 64>(t, plan, &last);
   }
 }
 
-#define GPUOS_DEFINE_LINEAR(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_linear<false>(t); }
-#define GPUOS_DEFINE_LINEAR_PARTS(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_linear<true>(t); }
+/* A catalogue operator of this header: PARTS and the activation ACT fixed per symbol. */
+#define GPUOS_DEFINE_LINEAR_OP(SYMBOL, PARTS, ACT) \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_linear<PARTS, ACT>(t); }
+#define GPUOS_DEFINE_LINEAR(SYMBOL) GPUOS_DEFINE_LINEAR_OP(SYMBOL, false, GPUOS_LINEAR_IDENTITY)
+#define GPUOS_DEFINE_LINEAR_GELU(SYMBOL) GPUOS_DEFINE_LINEAR_OP(SYMBOL, false, GPUOS_LINEAR_GELU)
+#define GPUOS_DEFINE_LINEAR_GELU_TANH(SYMBOL) \
+  GPUOS_DEFINE_LINEAR_OP(SYMBOL, false, GPUOS_LINEAR_GELU_TANH)
+#define GPUOS_DEFINE_LINEAR_PARTS(SYMBOL) GPUOS_DEFINE_LINEAR_OP(SYMBOL, true, GPUOS_LINEAR_IDENTITY)

@@ -15,7 +15,10 @@ little, as below a few hundred rows a linear's time is the weights' read, whatev
 
 What changes per step (token ids, positions, KV rows and lengths, the logits rows, sampling
 parameters and Philox counters) lives in `StepInputs`; operator versions resolve at each submit,
-so a hot swap reaches the next step.
+so a hot swap reaches the next step. An MLP's GELU runs inside its up projection (the catalogue's
+`linear_gelu*`: a stage less a layer) only while the GELU operator is the catalogue's own
+(`fusable`); the engine keys its programs by that, so a swapped GELU runs as a task of its own
+from the next step on.
 
 Steps chain on the device (`StepChain`), so the host queues step k + 1 while step k runs: every
 program begins with `feed_tokens`, which waits for the previous step's `tick` (its last task) and
@@ -36,12 +39,23 @@ import torch
 
 from gpuos_core import OpCall, Runtime
 from gpuos_core.batch import Uploads
+from gpuos_core.catalogue import CATALOGUE
 from gpuos_core.program import Arena, Program, ProgramBuilder
 from serving.llm.forward import Span, forward
 from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
 
 IDLE = -1  # token, position and KV row of an idle row (gather_rows yields zeros, scatter skips)
 GROUP_ROWS = 16  # rows of a group: a longer span takes ceil(n / GROUP_ROWS) of them
+
+
+# Activations an up projection can apply itself (the catalogue's linear_<name>).
+FUSABLE = ("gelu", "gelu_tanh")
+
+
+def fusable(rt: Runtime) -> frozenset[str]:
+    """The activations a step program may apply inside its up projection now: those of FUSABLE
+    whose current version is the catalogue's (a swapped one must run as its own operator)."""
+    return frozenset(name for name in FUSABLE if rt.table.current(name).spec is CATALOGUE[name])
 
 
 def fed(pick: int) -> int:
@@ -246,7 +260,8 @@ class StepChain:
 class ProgramOps:
     """MicroOps that record each call into a device program over a layout's rows (see forward.py
     for the contracts; `inputs` holds what changes per step). The program's first task takes the
-    rows' tokens from the inputs and from `fed` (feed_tokens)."""
+    rows' tokens from the inputs and from `fed` (feed_tokens); the activations in `fused` run
+    inside their up projections."""
 
     def __init__(
         self,
@@ -256,8 +271,10 @@ class ProgramOps:
         inputs: StepInputs,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         feed: tuple[torch.Tensor, torch.Tensor],
+        fused: frozenset[str],
     ) -> None:
         self.build, self.config, self.pool, self.inputs = build, config, pool, inputs
+        self.fused = fused
         self.layout, self.tables = inputs.layout, rotary
         # (task, operand, group): operands that view KV slot 0 in the records, where each step
         # binds the slot of the group's span (Program.binding)
@@ -363,7 +380,10 @@ class ProgramOps:
             )
         )
 
-    def activation(self, h: torch.Tensor, kind: str) -> torch.Tensor:
+    def activated(self, x: torch.Tensor, linear: Linear, kind: str) -> torch.Tensor:
+        if kind in self.fused:
+            return self._add(f"linear_{kind}", x, *self._weights(linear))
+        h = self.linear(x, linear)
         if kind == "silu_glu":
             return self._add("swiglu", *h.chunk(2, dim=-1))
         return self._add(kind, h)  # "gelu" and "gelu_tanh" are catalogue operators
@@ -394,7 +414,8 @@ class Launched:
 
 class StepProgram:
     """The device program of one layout and parity: forward, sampling into the chain, a row sum
-    of the logits (a non-finite logit makes it non-finite) and the tick, with its inputs."""
+    of the logits (a non-finite logit makes it non-finite) and the tick, with its inputs; the
+    activations in `fused` (of `fusable`) inside their up projections."""
 
     def __init__(
         self,
@@ -406,12 +427,14 @@ class StepProgram:
         chain: StepChain,
         parity: int,
         arena: Arena,
+        fused: frozenset[str],
     ) -> None:
         """`arena`: where its activations live, shared by the programs of its parity (a step of
         one parity runs only once the step before the last has been read back)."""
         self.inputs = StepInputs(layout, rt.device)
         feed = (chain.sampled[1 - parity, 0], chain.clock)
-        ops = ProgramOps(rt.program(arena), model.config, pool, self.inputs, rotary, feed)
+        build = rt.program(arena)
+        ops = ProgramOps(build, model.config, pool, self.inputs, rotary, feed, fused)
         self.logits = forward(model, ops)
         inputs = (self.logits, self.inputs["params"], self.inputs["rng"])
         self.readback = chain.sampled[parity]  # [tokens, sums]: what the host reads

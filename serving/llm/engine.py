@@ -45,7 +45,15 @@ from gpuos_core.errors import GpuosError
 from gpuos_core.program import Arena
 from gpuos_core.sampler import rng_words, sample_rows
 from gpuos_core.threads import daemon
-from serving.llm.device_step import Launched, Layout, StepChain, StepProgram, StepResult, fed
+from serving.llm.device_step import (
+    Launched,
+    Layout,
+    StepChain,
+    StepProgram,
+    StepResult,
+    fed,
+    fusable,
+)
 from serving.llm.forward import Span, TorchOps, forward
 from serving.llm.model import KVPool, Model, rotary_tables
 from serving.llm.sampling import SamplingParams, StopMatcher
@@ -302,10 +310,12 @@ class _TorchForward:
 
 
 class _ProgramForward:
-    """The forward as one device program on the runtime per layout of spans and parity: decode
-    layouts built at start, others on first use (the last PROGRAMS kept); steps chain on the
-    device (device_step.StepChain). The programs of a parity share their activations' memory (an
-    Arena), so a program kept costs its records and its linears' split-K workspaces."""
+    """The forward as one device program on the runtime per layout of spans, parity and set of
+    activations fused into their up projections (device_step.fusable: it changes when the GELU
+    operator is swapped or rolled back): decode layouts built at start, others on first use (the
+    last PROGRAMS kept); steps chain on the device (device_step.StepChain). The programs of a
+    parity share their activations' memory (an Arena), so a program kept costs its records and
+    its linears' split-K workspaces."""
 
     # Step programs kept (by layout and parity; the least recently used is dropped): 64 slots
     # under the H200 completions load test met 41 with 128 kept, but rebuilt 98-144 times in 30 s
@@ -327,7 +337,7 @@ class _ProgramForward:
         """`step_tokens`: the most tokens a step takes (EngineConfig.max_step_tokens)."""
         self.runtime, self.model, self.kv, self.rotary = runtime, model, kv, rotary
         self.chain = StepChain(Layout.most_picks(kv.slots, step_tokens), runtime.device)
-        self._programs: OrderedDict[tuple[Layout, int], StepProgram] = OrderedDict()
+        self._programs: OrderedDict[tuple[Layout, int, frozenset[str]], StepProgram] = OrderedDict()
         self._arenas = (Arena(runtime.device), Arena(runtime.device))  # per parity
         self._last: Launched | None = None
         self.built, self.build_s = 0, 0.0
@@ -356,7 +366,8 @@ class _ProgramForward:
         self.chain.resync()
 
     def _program(self, layout: Layout, parity: int) -> StepProgram:
-        key = (layout, parity)
+        fused = fusable(self.runtime)
+        key = (layout, parity, fused)
         if key in self._programs:
             self._programs.move_to_end(key)
             return self._programs[key]
@@ -370,6 +381,7 @@ class _ProgramForward:
             self.chain,
             parity,
             self._arenas[parity],
+            fused,
         )
         self.built, self.build_s = self.built + 1, self.build_s + time.perf_counter() - began
         self._programs[key] = program

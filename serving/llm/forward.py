@@ -61,8 +61,9 @@ class MicroOps(Protocol):
         """Store the rows' k, v [N, kv_heads, d] at their slots and positions, then causal
         attention of each row q [N, heads, d] over its own request's keys: [N, heads, d]."""
 
-    def activation(self, h: torch.Tensor, kind: str) -> torch.Tensor:
-        """GELU (`gelu`, `gelu_tanh`) of h, or SwiGLU (`silu_glu`: silu(first half) * second)."""
+    def activated(self, x: torch.Tensor, linear: Linear, kind: str) -> torch.Tensor:
+        """An MLP's up projection and its activation: GELU (`gelu`, `gelu_tanh`) of linear(x), or
+        SwiGLU (`silu_glu`: silu(its first half) * its second)."""
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """fp32 logits [R, vocab] of the rows whose logits the step wants (normed rows h)."""
@@ -79,7 +80,7 @@ def forward(model: Model, ops: MicroOps) -> torch.Tensor:
             q, k = ops.rotary(q), ops.rotary(k)
         a = ops.attention(i, q, k, v)
         x, h = ops.residual(x, a.flatten(1), layer.o, layer.mlp_norm)
-        g = ops.activation(ops.linear(h, layer.up), c.activation)
+        g = ops.activated(h, layer.up, c.activation)
         # the residual add fuses with the next norm: the next layer's, or the final one
         x, h = ops.residual(
             x, g, layer.down, w.layers[i + 1].attn_norm if i + 1 < c.layers else w.final_norm
@@ -166,7 +167,8 @@ class TorchOps:
             )
         return out
 
-    def activation(self, h: torch.Tensor, kind: str) -> torch.Tensor:
+    def activated(self, x: torch.Tensor, linear: Linear, kind: str) -> torch.Tensor:
+        h = linear(x)
         if kind == "silu_glu":
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up

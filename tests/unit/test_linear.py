@@ -1,7 +1,8 @@
 """The linear operator (out = x W^T + bias, issue 12) on each backend against torch in float64:
 decode and prefill row counts, K and N off the tile sizes, fp32/fp16/bf16, leading dims and
 strided views (both kernel paths on a GPU), split-K plans, records cut anywhere, reruns, and the
-validation messages. The plan's arithmetic is checked against the kernel's header."""
+validation messages; its gelu forms (an MLP's up projection). The plan's arithmetic is checked
+against the kernel's header."""
 
 from __future__ import annotations
 
@@ -74,6 +75,24 @@ def test_linear_matches_torch(rt: Runtime, dtype: torch.dtype, m: int, with_bias
         x, w = randn(rt, (m, k), dtype, seed), randn(rt, (n, k), dtype, seed + 100)
         bias = randn(rt, (n,), dtype, seed + 200) if with_bias else None
         check(rt, linear(rt, x, w, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 16, 64, 200])
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh"])
+def test_linear_with_gelu_matches_torch(rt: Runtime, dtype: torch.dtype, m: int, kind: str) -> None:
+    """linear_gelu and linear_gelu_tanh: the activation of each final value, on every path (on a
+    GPU: tensor cores with K unsplit (K = 200) and split (K = 1000), and the CUDA-core path
+    (K = 100))."""
+    approximate = "tanh" if kind == "gelu_tanh" else "none"
+    for seed, (k, n) in enumerate([(200, 130), (1000, 70), (100, 64)]):
+        x, w = randn(rt, (m, k), dtype, seed), randn(rt, (n, k), dtype, seed + 100)
+        bias = randn(rt, (n,), dtype, seed + 200)
+        task = rt.prepare(OpCall(f"linear_{kind}", (x, w, bias)))
+        rt.submit([task]).wait(30)
+        ref = F.gelu(F.linear(x.double(), w.double(), bias.double()), approximate=approximate)
+        err = rel_error(task.out, ref)
+        assert err < TOLERANCE[dtype], f"linear_{kind} {m} x {k} x {n}: {err:.2e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -17,7 +17,7 @@ import torch
 
 from gpuos_core import Runtime
 from serving.llm import ByteTokenizer, Model, create_tiny_model, forward_tokens, load_model
-from serving.llm.device_step import Layout
+from serving.llm.device_step import Layout, fusable
 from serving.llm.engine import (
     Delta,
     Engine,
@@ -140,10 +140,37 @@ def test_decode_programs_are_built_at_start(model_dir: Path, runtime: Runtime) -
     try:
         forward = engine._forward
         assert isinstance(forward, _ProgramForward)
-        decoding = {(Layout(rows, 0), parity) for rows in (1, 2, 4, 6) for parity in (0, 1)}
+        fused = fusable(runtime)
+        decoding = {(Layout(rows, 0), parity, fused) for rows in (1, 2, 4, 6) for parity in (0, 1)}
         assert set(forward._programs) == decoding
         run_together(engine, prompts([3, 9, 1, 5, 7, 4]), GREEDY)
         assert {key for key in forward._programs if not key[0].groups} == decoding
+    finally:
+        engine.close()
+
+
+def test_a_swapped_activation_reaches_the_next_step(model_dir: Path, runtime: Runtime) -> None:
+    """The MLP's activation swapped while the engine runs changes the next request's logits (a
+    GELU runs inside its up projection only while it is the catalogue's), and the rollback
+    brings them back."""
+    model = device_model(model_dir, runtime)
+    kind = model.config.activation
+    name, swapped = ("swiglu", "sigmoid(A) * B") if kind == "silu_glu" else (kind, "A")
+    engine = start(model, runtime, max_running=2)
+    batch = prompts([7], seed=4)
+
+    def first_logits() -> torch.Tensor:
+        return run_together(engine, batch, GREEDY)[0][1][0]
+
+    try:
+        before = first_logits()
+        runtime.swap(name, swapped)
+        try:
+            after = first_logits()
+        finally:
+            runtime.rollback(name)
+        assert (after - before).abs().max() > 1e-2
+        torch.testing.assert_close(first_logits(), before, rtol=1e-5, atol=1e-5)
     finally:
         engine.close()
 
