@@ -423,14 +423,18 @@ class AttentionFamily(Family):
     def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
         """Records of neighbouring items, ATTENTION_RECORDS_PER_SM per multiprocessor at most (so
         that blocks claiming them even out ragged rows); in warp mode the items of about
-        ATTENTION_WARPS groups each, and at least a record per SM; multiprocessors as the plan is
-        cut for (AttentionPlan.sms). One record when None."""
+        ATTENTION_WARPS groups each, or an item per warp where the SMs allow, never a record
+        with fewer items than warps: the SMs it leaves free claim the next stage's records while
+        it runs (a GPT-2 step's 64 rows were 132 records of ~6 items, and the output projection
+        after them waited ~5 us a layer to be claimed); multiprocessors as the plan is cut for
+        (AttentionPlan.sms). One record when None."""
         if tile_elements is None:
             return [(0, task.items)]
         plan = AttentionPlan.of(*task.inputs)
         sms = plan.sms(task.inputs[0].device)
         if plan.warps:
-            records = max(_ceil_div(plan.groups, ATTENTION_WARPS), sms)
+            per_warp = min(_ceil_div(plan.items, ATTENTION_WARPS), sms)
+            records = max(_ceil_div(plan.groups, ATTENTION_WARPS), per_warp)
         else:
             records = ATTENTION_RECORDS_PER_SM * sms
         records = max(1, min(task.items, records))

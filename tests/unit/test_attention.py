@@ -208,7 +208,8 @@ def test_plan_takes_warp_mode_for_a_group_per_sm_or_more() -> None:
 def test_a_prefill_chunk_reading_one_slot_is_cut_for_its_share_of_the_sms(rt: Runtime) -> None:
     """A prefill chunk's 16 rows read one slot's keys (K and V broadcast over the rows, a length
     each): its task is cut for a 16th of the SMs, the step's other chunks taking the rest, so it
-    is 24 records of 8 groups, not a record per SM; rows of their own slots keep every SM."""
+    is 24 records of 8 groups, not a record per SM; rows of their own slots take a record for
+    each 8 items (a warp an item), as many as the SMs allow."""
     rows, heads, keys, d = 16, 12, 1024, 64
     q = torch.zeros(rows, heads, 1, d, device=rt.device)
     own = torch.zeros(rows, heads, 1, keys, d, device=rt.device)
@@ -223,7 +224,27 @@ def test_a_prefill_chunk_reading_one_slot_is_cut_for_its_share_of_the_sms(rt: Ru
         task = rt.prepare(OpCall("attention_decode", (q, k, k, lengths)))
         return len(fam.family("attention_decode").ranges(task, 16384))
 
-    assert (records(slot), records(own)) == (rows * heads // fam.ATTENTION_WARPS, sms)
+    items = AttentionPlan.of(q, own, own, every).items
+    assert (records(slot), records(own)) == (
+        rows * heads // fam.ATTENTION_WARPS,
+        min(-(-items // fam.ATTENTION_WARPS), sms),
+    )
+
+
+def test_warp_mode_records_take_a_warp_an_item_and_leave_the_other_sms_free() -> None:
+    """64 decode rows x 12 heads of GPT-2 over 65 keys: 768 items of one (row, head) each, in 96
+    records of 8 (one per warp), not one per SM: the 36 SMs left free claim the next stage's
+    records while attention runs. 16 rows over 1,024 keys are 4 splits of 192 groups: the same
+    768 items, still a warp each. More items than the SMs' warps: a record of 8 groups each."""
+
+    def records(rows: int, keys: int) -> tuple[int, int]:
+        with Runtime("cpu") as runtime:  # cut for DEFAULT_SMS multiprocessors
+            task = runtime.prepare(OpCall("attention_decode", views(rows, 12, 1, keys, 64)))
+        return task.items, len(fam.family("attention_decode").ranges(task, 16384))
+
+    assert records(64, 65) == (768, 96)
+    assert records(16, 1024) == (768, 96)
+    assert records(256, 65) == (3072, 3072 // fam.ATTENTION_WARPS)
 
 
 def test_each_row_is_owned_by_exactly_one_record_whatever_the_cut() -> None:
