@@ -30,6 +30,10 @@ MAX_HEAD_DIM = 256  # attention decode keeps one head's output in static shared 
 # time is about its rounds of dependent loads (H200 trace, bench/step_trace.py: 16 rounds of
 # 16384 elements took 14 us, one round 2 us), so a task of a few rounds finishes sooner spread.
 MIN_RECORD_ELEMENTS = 1024
+# scatter_rows: a record per row up to SCATTER_SPREAD rows (keys and values then take at most
+# half the SMs), else at least SCATTER_RECORD_ROWS rows a record (a warp each: gpuos_for_rows)
+SCATTER_SPREAD = 32
+SCATTER_RECORD_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -486,6 +490,23 @@ class ScatterRowsFamily(Family):
     ) -> None:
         src, index = xs
         _scatter_rows(out, src.reshape(-1, src.shape[-1])[begin:end], index.reshape(-1)[begin:end])
+
+    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
+        """A record per row up to SCATTER_SPREAD rows, else records of SCATTER_RECORD_ROWS rows
+        (a warp a row) or more, as `tile_elements` allows, in one wave. A step's KV append is a
+        few KB and a record's time its latency: cut a row a record at 64 decode rows (for keys
+        and for values) it held 128 SMs, and attention's records, claimed behind it, started
+        5-7 us after it instead of 1; records of 8 rows take ~6 us against ~2 for one row, so
+        fewer rows keep a record each."""
+        if not tile_elements:
+            return [(0, task.items)]
+        step = 1
+        if task.items > SCATTER_SPREAD:
+            fits = max(1, tile_elements // max(1, task.inputs[0].shape[-1]))
+            spread = -(-task.items // _sm_count(task.inputs[0].device))
+            step = min(max(SCATTER_RECORD_ROWS, spread), fits)
+        bounds = list(range(0, task.items, step)) or [0]
+        return list(zip(bounds, bounds[1:] + [task.items]))
 
 
 def _scatter_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:

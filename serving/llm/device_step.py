@@ -287,15 +287,18 @@ class ProgramOps:
     ) -> torch.Tensor:
         return self.build.add(OpCall(op, inputs, out=out, scalars=scalars))
 
-    def embed(self, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def embed(
+        self, table: torch.Tensor, positions: torch.Tensor | None, norm: Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self._add("gather_rows", table, self.tokens)
         if positions is None:
-            return x
-        return self._add(
-            "add", x, self._add("gather_rows", positions, self.inputs["positions"]), out=x
-        )
+            return x, self.norm(x, norm)
+        # the norm adds the position rows as it reads x: no stage of their own
+        rows = self._add("gather_rows", positions, self.inputs["positions"])
+        return x, self._normed("add_", norm, x, rows)
 
     def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        """LayerNorm (the norm has a bias) or RMSNorm of each row."""
         return self._normed("", norm, x)
 
     def residual(

@@ -1,6 +1,6 @@
 """The model's forward, written once over a small micro-op interface.
 
-`forward(model, ops)` reads as the model: embed; per layer norm → qkv → rotary → attention (which
+`forward(model, ops)` reads as the model: embed and norm; per layer qkv → rotary → attention (which
 stores the rows' keys and values) → output projection + residual → norm → MLP (its down
 projection + residual → the next norm); then the final norm and the LM head. It knows nothing
 of where the rows run or how they are laid out: `ops` owns the step's rows (token ids,
@@ -37,11 +37,11 @@ from serving.llm.model import (
 class MicroOps(Protocol):
     """What the forward asks of an implementation. Tensors are rows [N, ...] of the step."""
 
-    def embed(self, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """The rows' token embeddings [N, hidden], plus their learned position embeddings."""
-
-    def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
-        """LayerNorm (the norm has a bias) or RMSNorm of each row."""
+    def embed(
+        self, table: torch.Tensor, positions: torch.Tensor | None, norm: Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, its norm): the rows' token embeddings [N, hidden], plus their learned position
+        embeddings, and the first layer's norm of them."""
 
     def residual(
         self, x: torch.Tensor, h: torch.Tensor, linear: Linear, norm: Norm
@@ -72,8 +72,7 @@ class MicroOps(Protocol):
 def forward(model: Model, ops: MicroOps) -> torch.Tensor:
     """The logits `ops.logits` picks, the keys and values of every row stored on the way."""
     c, w = model.config, model.weights
-    x = ops.embed(w.embed, w.positions)
-    h = ops.norm(x, w.layers[0].attn_norm)
+    x, h = ops.embed(w.embed, w.positions, w.layers[0].attn_norm)
     for i, layer in enumerate(w.layers):
         q, k, v = split_heads(c, ops.linear(h, layer.qkv))
         if c.rope_theta is not None:
@@ -129,11 +128,16 @@ class TorchOps:
         last = [f + len(s.tokens) - 1 for f, s in zip(firsts, spans)]
         self.picked = torch.arange(len(self.tokens), device=device) if every_row else as_long(last)
 
-    def embed(self, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def embed(
+        self, table: torch.Tensor, positions: torch.Tensor | None, norm: Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = table[self.tokens]
-        return x + positions[self.positions] if positions is not None else x
+        if positions is not None:
+            x = x + positions[self.positions]
+        return x, self.norm(x, norm)
 
     def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        """LayerNorm (the norm has a bias) or RMSNorm of each row."""
         return normalize(x, norm, self.config.norm_eps)
 
     def residual(

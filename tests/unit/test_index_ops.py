@@ -15,6 +15,7 @@ from test_catalogue import DTYPES, TOLERANCE, rel_error
 from gpuos_core import OpCall, Runtime
 from gpuos_core.catalogue import CATALOGUE, run_reference
 from gpuos_core.errors import TensorSpecError
+from gpuos_core.families import SCATTER_RECORD_ROWS, SCATTER_SPREAD, family
 
 I32 = torch.int32
 
@@ -185,6 +186,26 @@ def test_scatter_appends_tokens_to_a_kv_pool_with_padding_rows(
     expect = scattered(pool, src, index)
     assert run(rt, OpCall("scatter_rows", (src, index), out=pool)) is pool
     assert torch.equal(pool.cpu(), expect)
+
+
+def test_scatter_records_leave_the_sms_free_past_a_few_rows() -> None:
+    """A step's KV append of 64 rows is 8 records of 8 rows (a warp each), not a record per row
+    that would hold 64 SMs from what runs next; up to 32 rows, a record per row; 512 prefill
+    rows, one wave of 64 records; rows too long for 8 in a tile, as many as fit."""
+
+    def cut(rows: int, width: int) -> list[int]:
+        with Runtime("cpu") as runtime:
+            cache = torch.zeros(rows, width)
+            task = runtime.prepare(
+                OpCall("scatter_rows", (cache, torch.zeros(rows, dtype=I32)), out=cache)
+            )
+        return [e - b for b, e in family("scatter_rows").ranges(task, 16384)]
+
+    assert cut(64, 768) == [SCATTER_RECORD_ROWS] * 8
+    assert cut(SCATTER_SPREAD, 768) == [1] * SCATTER_SPREAD
+    assert cut(1, 768) == [1]
+    assert cut(512, 768) == [8] * 64
+    assert cut(40, 4096) == [4] * 10
 
 
 def test_scatter_into_a_non_contiguous_cache_view_converting_dtype(rt: Runtime) -> None:
