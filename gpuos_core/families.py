@@ -108,8 +108,21 @@ class Family:
         # A tile that spreads the task over the SMs takes whole items rounded up: one wave of
         # records (512 rows on 132 SMs: 128 records of 4, where 171 records of 3 took two).
         step = max(1, -(-tile // per) if tile == spread else tile // per)
-        bounds = list(range(0, task.items, step)) or [0]
-        return list(zip(bounds, bounds[1:] + [task.items]))
+        return _stepped(task.items, step)
+
+
+def _stepped(items: int, step: int) -> list[tuple[int, int]]:
+    """Records of `step` items each (the last takes the rest); one for no items."""
+    bounds = list(range(0, items, step)) or [0]
+    return list(zip(bounds, bounds[1:] + [items]))
+
+
+def _even(items: int, records: int) -> list[tuple[int, int]]:
+    """`records` records (at least one, at most one an item) of neighbouring items, their sizes
+    differing by one at most."""
+    records = max(1, min(items, records))
+    bounds = [r * items // records for r in range(records + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def write_items(
@@ -441,9 +454,7 @@ class AttentionFamily(Family):
             records = max(_ceil_div(plan.groups, ATTENTION_WARPS), per_warp)
         else:
             records = ATTENTION_RECORDS_PER_SM * sms
-        records = max(1, min(task.items, records))
-        bounds = [r * task.items // records for r in range(records + 1)]
-        return list(zip(bounds[:-1], bounds[1:]))
+        return _even(task.items, records)
 
 
 class ScatterRowsFamily(Family):
@@ -505,8 +516,7 @@ class ScatterRowsFamily(Family):
             fits = max(1, tile_elements // max(1, task.inputs[0].shape[-1]))
             spread = -(-task.items // _sm_count(task.inputs[0].device))
             step = min(max(SCATTER_RECORD_ROWS, spread), fits)
-        bounds = list(range(0, task.items, step)) or [0]
-        return list(zip(bounds, bounds[1:] + [task.items]))
+        return _stepped(task.items, step)
 
 
 def _scatter_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
@@ -898,9 +908,7 @@ class LinearFamily(Family):
         items' weights back to back); one record when None."""
         if tile_elements is None:
             return [(0, task.items)]
-        records = max(1, min(task.items, _sm_count(task.inputs[0].device)))
-        bounds = [r * task.items // records for r in range(records + 1)]
-        return list(zip(bounds[:-1], bounds[1:]))
+        return _even(task.items, _sm_count(task.inputs[0].device))
 
 
 # The cut of cuda/ops/attention.cuh (its GPUOS_ATTN_* constants; tests/unit/test_attention.py

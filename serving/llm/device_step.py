@@ -40,6 +40,7 @@ import torch
 from gpuos_core import OpCall, Runtime
 from gpuos_core.batch import Uploads
 from gpuos_core.catalogue import CATALOGUE
+from gpuos_core.optable import OpTable
 from gpuos_core.program import Arena, Program, ProgramBuilder
 from serving.llm.forward import Span, forward
 from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
@@ -52,10 +53,11 @@ GROUP_ROWS = 16  # rows of a group: a longer span takes ceil(n / GROUP_ROWS) of 
 FUSABLE = ("gelu", "gelu_tanh")
 
 
-def fusable(rt: Runtime) -> frozenset[str]:
-    """The activations a step program may apply inside its up projection now: those of FUSABLE
-    whose current version is the catalogue's (a swapped one must run as its own operator)."""
-    return frozenset(name for name in FUSABLE if rt.table.current(name).spec is CATALOGUE[name])
+def fusable(table: OpTable) -> frozenset[str]:
+    """The activations a step program may apply inside its up projection under `table` (a
+    runtime's operator table): those of FUSABLE whose current version is the catalogue's (a
+    swapped one must run as its own operator)."""
+    return frozenset(name for name in FUSABLE if table.current(name).spec is CATALOGUE[name])
 
 
 def fed(pick: int) -> int:
@@ -292,14 +294,10 @@ class ProgramOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self._add("gather_rows", table, self.tokens)
         if positions is None:
-            return x, self.norm(x, norm)
+            return x, self._normed("", norm, x)
         # the norm adds the position rows as it reads x: no stage of their own
         rows = self._add("gather_rows", positions, self.inputs["positions"])
         return x, self._normed("add_", norm, x, rows)
-
-    def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
-        """LayerNorm (the norm has a bias) or RMSNorm of each row."""
-        return self._normed("", norm, x)
 
     def residual(
         self, x: torch.Tensor, h: torch.Tensor, linear: Linear, norm: Norm

@@ -341,6 +341,9 @@ class _ProgramForward:
         self._arenas = (Arena(runtime.device), Arena(runtime.device))  # per parity
         self._last: Launched | None = None
         self.built, self.build_s = 0, 0.0
+        # device_step.fusable of the operator table last seen: a table is immutable, and a swap
+        # or rollback publishes a new one, so a step only compares identities
+        self._fused = (runtime.table, fusable(runtime.table))
         # Decode-only steps' programs, built now: a request joining would otherwise hold every
         # stream for two whole-program builds (a parity each), as vLLM captures its CUDA graphs
         # per batch size at start.
@@ -366,7 +369,10 @@ class _ProgramForward:
         self.chain.resync()
 
     def _program(self, layout: Layout, parity: int) -> StepProgram:
-        fused = fusable(self.runtime)
+        table = self.runtime.table
+        if table is not self._fused[0]:
+            self._fused = (table, fusable(table))
+        fused = self._fused[1]
         key = (layout, parity, fused)
         if key in self._programs:
             self._programs.move_to_end(key)

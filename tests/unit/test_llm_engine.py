@@ -140,7 +140,7 @@ def test_decode_programs_are_built_at_start(model_dir: Path, runtime: Runtime) -
     try:
         forward = engine._forward
         assert isinstance(forward, _ProgramForward)
-        fused = fusable(runtime)
+        fused = fusable(runtime.table)
         decoding = {(Layout(rows, 0), parity, fused) for rows in (1, 2, 4, 6) for parity in (0, 1)}
         assert set(forward._programs) == decoding
         run_together(engine, prompts([3, 9, 1, 5, 7, 4]), GREEDY)
