@@ -107,4 +107,7 @@ __device__ __forceinline__ void gpuos_map(const GpuosTask* t) {
 
 /* One map operator version: `extern "C" __device__ void SYMBOL(const GpuosTask*)`. */
 #define GPUOS_DEFINE_MAP(SYMBOL, FUNCTOR, ARITY) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_map<ARITY, FUNCTOR>(t); }
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
+    gpuos_await(t);                                      \
+    gpuos_map<ARITY, FUNCTOR>(t);                        \
+  }

@@ -118,10 +118,16 @@ __device__ __forceinline__ void gpuos_rows(const GpuosTask* t) {
   gpuos_for_rows<Op>(t, gpuos_row_len(t->in[0]));
 }
 
-#define GPUOS_DEFINE_SOFTMAX(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosSoftmaxRow<false> >(t); }
-#define GPUOS_DEFINE_LOG_SOFTMAX(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_rows<GpuosSoftmaxRow<true> >(t); }
+#define GPUOS_DEFINE_SOFTMAX(SYMBOL)                      \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
+    gpuos_await(t);                                       \
+    gpuos_rows<GpuosSoftmaxRow<false> >(t);               \
+  }
+#define GPUOS_DEFINE_LOG_SOFTMAX(SYMBOL)                  \
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
+    gpuos_await(t);                                       \
+    gpuos_rows<GpuosSoftmaxRow<true> >(t);                \
+  }
 #define GPUOS_DEFINE_LAYERNORM(SYMBOL)                    \
   extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
     gpuos_norm_warm_await<1>(t);                          \

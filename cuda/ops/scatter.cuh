@@ -29,6 +29,7 @@ struct GpuosScatterRow {
 
 #define GPUOS_DEFINE_SCATTER_ROWS(SYMBOL)                          \
   extern "C" __device__ void SYMBOL(const GpuosTask* t) {          \
+    gpuos_await(t);                                                \
     gpuos_for_rows<GpuosScatterRow>(t, gpuos_row_len(t->in[0]));   \
   }
 
@@ -52,5 +53,6 @@ struct GpuosGatherRow {
 
 #define GPUOS_DEFINE_GATHER_ROWS(SYMBOL)                           \
   extern "C" __device__ void SYMBOL(const GpuosTask* t) {          \
+    gpuos_await(t);                                                \
     gpuos_for_rows<GpuosGatherRow>(t, gpuos_row_len(t->out));      \
   }

@@ -56,7 +56,7 @@ __device__ __forceinline__ void gpuos_tick(const GpuosTask* t) {
 }
 
 #define GPUOS_DEFINE_FEED_TOKENS(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_feed_tokens(t); }
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_await(t); gpuos_feed_tokens(t); }
 
 #define GPUOS_DEFINE_TICK(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_tick(t); }
+  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_await(t); gpuos_tick(t); }
