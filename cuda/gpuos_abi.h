@@ -76,7 +76,7 @@ typedef struct GpuosTensorRef {
 typedef struct GpuosTask {
   int32_t op_slot;                  /* index into the image's jump table, or GPUOS_OP_NOP */
   int16_t num_inputs;               /* inputs used in in[] */
-  int16_t flags;                    /* GPUOS_TASK_*: set by the operator's family */
+  int16_t flags;                    /* GPUOS_TASK_*: EARLY on every operator record */
   uint32_t reduce_mask;             /* reductions: bit d set = reduce over dim d of in[0] */
   int32_t signal;                   /* event counter to increment when done, or GPUOS_NO_EVENT */
   int64_t range_begin;              /* first work item (output element, or row) of this task */

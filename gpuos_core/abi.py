@@ -127,11 +127,12 @@ def encode_task(
     inputs: tuple[torch.Tensor, ...],
     scalars: tuple[float, ...] = (),
     reduce_mask: int = 0,
-    flags: int = 0,
 ) -> None:
     """Fill TASK records[i] for each work-item range [begin, end) of one task, with no event to
-    wait for or signal (a Program adds those); op_slot is left 0 for submit to resolve; `flags`
-    are the family's TASK_* bits."""
+    wait for or signal (a Program adds those); op_slot is left 0 for submit to resolve. Flags:
+    TASK_EARLY, as every operator awaits its own events (each family macro calls gpuos_await),
+    so that its call through the jump table and what it does before its wait overlap its
+    producers; a Program adds the settled bits."""
     if len(inputs) > MAX_INPUTS or len(scalars) > MAX_SCALARS:
         raise TensorSpecError(
             f"a task takes at most {MAX_INPUTS} inputs and {MAX_SCALARS} "
@@ -147,7 +148,7 @@ def encode_task(
         0,
         0,
         len(inputs),
-        flags,
+        TASK_EARLY,
         reduce_mask,
         NO_EVENT,
         begin,

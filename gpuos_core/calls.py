@@ -35,11 +35,8 @@ class Params:
 
 
 class Tiling(Protocol):
-    """What a task needs of its operator's family (families.Family): how to cut it into records,
-    and the TASK_* flags its records carry."""
-
-    @property
-    def flags(self) -> int: ...
+    """What a task needs of its operator's family (families.Family): how to cut it into
+    records."""
 
     def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]: ...
 

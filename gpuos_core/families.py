@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .abi import MAX_DIMS, TASK_EARLY
+from .abi import MAX_DIMS
 from .calls import LaidOut, Params
 from .errors import TensorSpecError
 from .expr import Expr, evaluate
@@ -61,10 +61,6 @@ class Family:
     # reference then takes that `out` as a last input and returns its new contents.
     updates_out = False
     out_dtype: torch.dtype | None = None  # the output's fixed dtype; None: a float the caller picks
-    # TASK_* bits of its records. TASK_EARLY: its operators await their events themselves
-    # (gpuos_await), after what reads no input. Every family's operators do, so that at least the
-    # call through the jump table (~0.8 µs before an operator's body runs) overlaps the producers.
-    flags = TASK_EARLY
     internal = False  # the runtime's own machinery (the LLM engine's): not served over HTTP
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
@@ -379,11 +375,11 @@ class AttentionFamily(Family):
     or over its first min(lengths[r], L) keys (int32; zeros when <= 0) when lengths is given. The
     layout adds the lengths (L when none) as input 3, [..., 1], carrying the workspace of an
     AttentionPlan (cuda/ops/attention.cuh states the encoding); items are the plan's
-    (group, split) pairs."""
+    (group, split) pairs. Before its wait, a record warms its first keys and values while q is
+    produced."""
 
     name, header, macro = "attention_decode", "ops/attention.cuh", "GPUOS_DEFINE_ATTENTION_DECODE"
     index_inputs = {3: "lengths"}
-    # before its wait, a record warms its first keys and values while q is produced
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
         q, k, v = inputs[:3]

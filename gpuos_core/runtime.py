@@ -406,5 +406,5 @@ def encode_records(task: LaidOut, tile_elements: int | None) -> np.ndarray:
     records = np.empty(len(ranges), dtype=TASK)
     mask = sum(1 << d for d in task.params.reduce_dims)
     scalars = task.params.scalars
-    encode_task(records, ranges, task.out_ref, task.inputs, scalars, mask, task.kind.flags)
+    encode_task(records, ranges, task.out_ref, task.inputs, scalars, mask)
     return records
