@@ -4,9 +4,11 @@
  * rotating over `copies` buffers (24 x GPT-2's QKV = 85 MB: W streams from HBM as in a step),
  * with the operator's trace marks (GPUOS_MARK, globaltimer). Prints the time a rep and the median
  * of each mark from the record's start. The operator is reached the way the build says:
- *   default          through a table of device function pointers, as the worker calls it;
+ *   default          the catalogue's operator (GPUOS_OPERATOR: it reads the task with shared-memory
+ *                    loads) through a table of device function pointers, as the worker calls it;
  *   -DINLINE_GENERIC inlined into the kernel, the task behind a pointer the compiler cannot see
- *                    into (it reads the task with generic loads, as an ABI function does);
+ *                    into (it reads the task with generic loads, as operators did before
+ *                    GPUOS_OPERATOR);
  *   -DINLINE         inlined, the task a __shared__ object (shared-memory loads).
  * CARVEOUT=<percent> in the environment sets the kernel's preferred shared-memory carveout.
  *
@@ -36,9 +38,7 @@ constexpr int kThreads = 256;
 constexpr int kSkip = 5;  // reps left out of the medians (cold caches)
 
 #if !defined(INLINE_GENERIC) && !defined(INLINE)
-extern "C" __device__ __noinline__ void linear_op(const GpuosTask* t) {
-  gpuos_linear<false, GPUOS_LINEAR_IDENTITY>(t);
-}
+GPUOS_DEFINE_LINEAR(linear_op)  // the catalogue's operator, as the worker's image defines it
 __device__ GpuosOpFn table[1] = {linear_op};
 #endif
 

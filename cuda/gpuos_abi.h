@@ -99,7 +99,9 @@ typedef struct GpuosQueue {
 } GpuosQueue;
 
 /* Every operator version is a device function with this signature, run by all threads of one
- * block together (it may use __syncthreads and static shared memory). */
+ * block together (it may use __syncthreads and static shared memory). Its argument points to the
+ * block's copy of the record in shared memory, and it signals the record's event when done:
+ * operators are defined with GPUOS_OPERATOR (gpuos_device.cuh), which does both. */
 #ifdef __CUDACC__
 typedef void (*GpuosOpFn)(const GpuosTask *task);
 #endif

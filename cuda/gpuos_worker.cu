@@ -13,8 +13,10 @@
  * change under it.
  *
  * Dependencies (device programs, see gpuos_abi.h): before a record runs, thread 0 waits until each
- * event it names has reached its count; after it ran, thread 0 fences the block's writes and adds
- * one to the event it signals. Why waiting cannot deadlock:
+ * event it names has reached its count (or its operator waits itself, GPUOS_TASK_EARLY); once its
+ * last write is behind a barrier, thread 0 adds one to the event it signals with a release (the
+ * operator does, GPUOS_OPERATOR, or the worker when no operator ran). Why waiting cannot
+ * deadlock:
  *   - tickets are taken strictly in order (atomicAdd on head; only unpublished tickets are ever
  *     given back, from the top), and a record only waits for events signalled by records with
  *     smaller tickets (the host builds programs that way), so every record a claimed record waits
@@ -126,6 +128,13 @@ struct GpuosKnown {
   __device__ __forceinline__ bool covers(unsigned long long e, int k, unsigned int n) const {
     return events == e && event == k && count >= n;
   }
+
+  /* `task` has signalled its event (gpuos_signal): its counter has one more. */
+  __device__ __forceinline__ void signalled(const GpuosTask* task) {
+    if (task->events == 0 || task->signal == GPUOS_NO_EVENT) return;
+    const bool same = events == task->events && event == task->signal;
+    *this = GpuosKnown{task->events, task->signal, same ? count + 1 : 1u};
+  }
 };
 
 /* Blocks until every event `task` waits for has reached its count (gpuos_poll_events; the
@@ -146,22 +155,13 @@ __device__ __forceinline__ void gpuos_wait_events(const GpuosTask* task, GpuosKn
   __syncthreads();
 }
 
-/* Adds one to the event `task` signals, releasing every thread's writes (the caller's barrier
- * made them visible to thread 0, and a release is cumulative): a consumer whose acquire sees the
- * count sees the outputs. Thread 0 only. */
-__device__ __forceinline__ void gpuos_signal(const GpuosTask* task, GpuosKnown& known) {
-  if (task->events == 0 || task->signal == GPUOS_NO_EVENT) return;
-  unsigned int* counter = reinterpret_cast<unsigned int*>(task->events) + task->signal;
-  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
-  const bool same = known.events == task->events && known.event == task->signal;
-  known = GpuosKnown{task->events, task->signal, same ? known.count + 1 : 1u};
-}
-
 /* Runs one fetched record with all threads of the block: waits for its events (or lets its
- * operator wait: GPUOS_TASK_EARLY), runs its operator (none for GPUOS_OP_NOP), signals. Returns
- * whether its op_slot was valid. A record with a bad slot still waits and signals, so records that
- * wait for it fail with it instead of hanging. `known` is thread 0's. */
+ * operator wait: GPUOS_TASK_EARLY), runs its operator (none for GPUOS_OP_NOP), which signals its
+ * event (GPUOS_OPERATOR), or signals it here when none ran. Returns whether its op_slot was
+ * valid. A record with a bad slot still waits and signals, so records that wait for it fail with
+ * it instead of hanging. `known` is thread 0's. */
 __device__ bool gpuos_run(const GpuosTask* task, long long ticket, GpuosKnown& known) {
+  __builtin_assume(__isShared(task)); /* tasks + k of gpuos_worker: shared-memory loads */
 #ifdef GPUOS_TRACE
   if (threadIdx.x == 0) gpuos_trace_ticket[gpuos_smid()] = ticket; /* GPUOS_MARK, gpuos_await */
 #endif
@@ -172,10 +172,13 @@ __device__ bool gpuos_run(const GpuosTask* task, long long ticket, GpuosKnown& k
     gpuos_wait_events(task, known);
     GPUOS_TRACE_AT(ticket, 2, gpuos_now_ns());
   }
-  if (runs) gpuos_jump_table[slot](task);
+  if (runs) {
+    gpuos_jump_table[slot](task);
+  } else if (threadIdx.x == 0) {
+    gpuos_signal(task);
+  }
   __syncthreads(); /* operators reuse static shared memory: the next one starts after this one */
-  GPUOS_TRACE_AT(ticket, 3, gpuos_now_ns());
-  if (threadIdx.x == 0) gpuos_signal(task, known);
+  if (threadIdx.x == 0) known.signalled(task);
   return valid;
 }
 

@@ -200,7 +200,7 @@ struct GpuosParts {
 
   __device__ static GpuosParts of(const GpuosTensorRef& y) {
     GpuosParts parts;
-    parts.p = reinterpret_cast<char*>(y.data);
+    parts.p = gpuos_data(y);
     parts.step = gpuos_step(y, y.ndim - 1);
     parts.split = gpuos_step(y, 0);
     parts.count = static_cast<int>(y.sizes[0]);
@@ -260,6 +260,6 @@ __device__ __forceinline__ void gpuos_add_norm(const GpuosTask* t) {
 }
 
 #define GPUOS_DEFINE_ADD_RMSNORM(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_add_norm<true>(t); }
+  GPUOS_OPERATOR(SYMBOL) { gpuos_add_norm<true>(t); }
 #define GPUOS_DEFINE_ADD_LAYERNORM(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_add_norm<false>(t); }
+  GPUOS_OPERATOR(SYMBOL) { gpuos_add_norm<false>(t); }

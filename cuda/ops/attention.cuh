@@ -95,7 +95,7 @@ struct GpuosKeys {
 
 __device__ __forceinline__ GpuosKeys gpuos_keys(const GpuosTensorRef& ref) {
   GpuosKeys k;
-  k.p = reinterpret_cast<char*>(ref.data);
+  k.p = gpuos_data(ref);
   k.lstep = gpuos_step(ref, ref.ndim - 2);
   k.dstep = gpuos_step(ref, ref.ndim - 1);
   k.dtype = ref.dtype;
@@ -928,4 +928,4 @@ __device__ __forceinline__ void gpuos_attention_decode(const GpuosTask* t) {
 }
 
 #define GPUOS_DEFINE_ATTENTION_DECODE(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_attention_decode(t); }
+  GPUOS_OPERATOR(SYMBOL) { gpuos_attention_decode(t); }

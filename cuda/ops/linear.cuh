@@ -216,7 +216,7 @@ struct GpuosLinearSink {
   __device__ static GpuosLinearSink of(const GpuosTask* t, const GpuosLinearPlan& p) {
     const GpuosTensorRef& o = t->out;
     GpuosLinearSink k;
-    k.data = reinterpret_cast<char*>(o.data);
+    k.data = gpuos_data(o);
     k.ors = p.ors;
     k.cs = o.strides[o.ndim - 1];
     k.dtype = o.dtype;
@@ -248,7 +248,7 @@ __device__ __forceinline__ float* gpuos_linear_part(const GpuosTask* t, const Gp
                                                     const GpuosLinearItem& it, int s) {
   const int64_t tiles = static_cast<int64_t>(p.mblocks) * p.ntiles;
   const int64_t block = (s * tiles + it.nt * p.mblocks + it.mb) * p.prows * GPUOS_LINEAR_BN;
-  return reinterpret_cast<float*>(t->in[3].data) + gpuos_linear_counters(tiles) + block;
+  return reinterpret_cast<float*>(gpuos_data(t->in[3])) + gpuos_linear_counters(tiles) + block;
 }
 
 /* The tile's outputs from its S partial blocks, summed in split order, by all threads in groups
@@ -342,7 +342,7 @@ __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const Gp
   if (!gpuos_linear_combined(p)) return;
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned int* counters = reinterpret_cast<unsigned int*>(t->in[3].data);
+    unsigned int* counters = reinterpret_cast<unsigned int*>(gpuos_data(t->in[3]));
     *last = gpuos_count_in(counters + it.nt * p.mblocks + it.mb, p.splits - 1);
   }
   __syncthreads();
@@ -572,8 +572,8 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
   const bool active = warp < GPUOS_LINEAR_WARPS;
   const int begin = static_cast<int>(t->range_begin), end = static_cast<int>(t->range_end);
   const unsigned int base = gpuos_smem_address(gpuos_dynamic_smem);
-  const GpuosLinearSource src = {reinterpret_cast<const char*>(t->in[1].data), t->in[1].strides[0],
-                                 reinterpret_cast<const char*>(t->in[0].data), p.xrs, end};
+  const GpuosLinearSource src = {gpuos_data(t->in[1]), t->in[1].strides[0],
+                                 gpuos_data(t->in[0]), p.xrs, end};
 
   /* Stages 0 .. NS - 2, each one commit group: W before the wait when settled, x after it. */
   const bool early = gpuos_settled(t, 1);
@@ -728,7 +728,7 @@ __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
 
 /* A catalogue operator of this header: PARTS and the activation ACT fixed per symbol. */
 #define GPUOS_DEFINE_LINEAR_OP(SYMBOL, PARTS, ACT) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_linear<PARTS, ACT>(t); }
+  GPUOS_OPERATOR(SYMBOL) { gpuos_linear<PARTS, ACT>(t); }
 #define GPUOS_DEFINE_LINEAR(SYMBOL) GPUOS_DEFINE_LINEAR_OP(SYMBOL, false, GPUOS_LINEAR_IDENTITY)
 #define GPUOS_DEFINE_LINEAR_GELU(SYMBOL) GPUOS_DEFINE_LINEAR_OP(SYMBOL, false, GPUOS_LINEAR_GELU)
 #define GPUOS_DEFINE_LINEAR_GELU_TANH(SYMBOL) \

@@ -105,9 +105,9 @@ __device__ __forceinline__ void gpuos_map(const GpuosTask* t) {
   }
 }
 
-/* One map operator version: `extern "C" __device__ void SYMBOL(const GpuosTask*)`. */
+/* One map operator version, SYMBOL (GPUOS_OPERATOR). */
 #define GPUOS_DEFINE_MAP(SYMBOL, FUNCTOR, ARITY) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
-    gpuos_await(t);                                      \
-    gpuos_map<ARITY, FUNCTOR>(t);                        \
+  GPUOS_OPERATOR(SYMBOL) {                       \
+    gpuos_await(t);                              \
+    gpuos_map<ARITY, FUNCTOR>(t);                \
   }

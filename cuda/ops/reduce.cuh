@@ -68,6 +68,6 @@ __device__ __forceinline__ void gpuos_reduce(const GpuosTask* t) {
 }
 
 #define GPUOS_DEFINE_SUM(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_await(t); gpuos_reduce<false>(t); }
+  GPUOS_OPERATOR(SYMBOL) { gpuos_await(t); gpuos_reduce<false>(t); }
 #define GPUOS_DEFINE_MEAN(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_await(t); gpuos_reduce<true>(t); }
+  GPUOS_OPERATOR(SYMBOL) { gpuos_await(t); gpuos_reduce<true>(t); }

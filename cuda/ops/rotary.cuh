@@ -42,7 +42,7 @@ struct GpuosRotaryRow {
 };
 
 #define GPUOS_DEFINE_ROTARY(SYMBOL)                                 \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) {           \
+  GPUOS_OPERATOR(SYMBOL) {                                          \
     gpuos_await(t);                                                 \
     gpuos_for_rows<GpuosRotaryRow>(t, gpuos_row_len(t->in[0]) / 2); \
   }

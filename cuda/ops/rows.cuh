@@ -104,7 +104,7 @@ __device__ __forceinline__ void gpuos_norm_warm_await(const GpuosTask* t) {
   GPUOS_ROLLED
   for (int i = W; i < t->num_inputs; ++i) {
     const GpuosTensorRef& w = t->in[i];
-    const char* p = reinterpret_cast<const char*>(w.data);
+    const char* p = gpuos_data(w);
     const int64_t bytes = w.ndim == 1 && w.strides[0] == 1 ? w.numel * gpuos_dtype_size(w.dtype) : 0;
     GPUOS_ROLLED
     for (int64_t at = 128 * static_cast<int64_t>(threadIdx.x); at < bytes; at += 128 * blockDim.x)
@@ -118,23 +118,23 @@ __device__ __forceinline__ void gpuos_rows(const GpuosTask* t) {
   gpuos_for_rows<Op>(t, gpuos_row_len(t->in[0]));
 }
 
-#define GPUOS_DEFINE_SOFTMAX(SYMBOL)                      \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
-    gpuos_await(t);                                       \
-    gpuos_rows<GpuosSoftmaxRow<false> >(t);               \
+#define GPUOS_DEFINE_SOFTMAX(SYMBOL)        \
+  GPUOS_OPERATOR(SYMBOL) {                  \
+    gpuos_await(t);                         \
+    gpuos_rows<GpuosSoftmaxRow<false> >(t); \
   }
-#define GPUOS_DEFINE_LOG_SOFTMAX(SYMBOL)                  \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
-    gpuos_await(t);                                       \
-    gpuos_rows<GpuosSoftmaxRow<true> >(t);                \
+#define GPUOS_DEFINE_LOG_SOFTMAX(SYMBOL)   \
+  GPUOS_OPERATOR(SYMBOL) {                 \
+    gpuos_await(t);                        \
+    gpuos_rows<GpuosSoftmaxRow<true> >(t); \
   }
-#define GPUOS_DEFINE_LAYERNORM(SYMBOL)                    \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
-    gpuos_norm_warm_await<1>(t);                          \
-    gpuos_rows<GpuosLayerNormRow>(t);                     \
+#define GPUOS_DEFINE_LAYERNORM(SYMBOL) \
+  GPUOS_OPERATOR(SYMBOL) {             \
+    gpuos_norm_warm_await<1>(t);       \
+    gpuos_rows<GpuosLayerNormRow>(t);  \
   }
-#define GPUOS_DEFINE_RMSNORM(SYMBOL)                      \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { \
-    gpuos_norm_warm_await<1>(t);                          \
-    gpuos_rows<GpuosRmsNormRow>(t);                       \
+#define GPUOS_DEFINE_RMSNORM(SYMBOL) \
+  GPUOS_OPERATOR(SYMBOL) {           \
+    gpuos_norm_warm_await<1>(t);     \
+    gpuos_rows<GpuosRmsNormRow>(t);  \
   }

@@ -338,4 +338,4 @@ __device__ __forceinline__ void gpuos_sample(const GpuosTask* t) {
 }
 
 #define GPUOS_DEFINE_SAMPLE_TOKENS(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_await(t); gpuos_sample(t); }
+  GPUOS_OPERATOR(SYMBOL) { gpuos_await(t); gpuos_sample(t); }

@@ -27,10 +27,10 @@ struct GpuosScatterRow {
   }
 };
 
-#define GPUOS_DEFINE_SCATTER_ROWS(SYMBOL)                          \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) {          \
-    gpuos_await(t);                                                \
-    gpuos_for_rows<GpuosScatterRow>(t, gpuos_row_len(t->in[0]));   \
+#define GPUOS_DEFINE_SCATTER_ROWS(SYMBOL)                        \
+  GPUOS_OPERATOR(SYMBOL) {                                       \
+    gpuos_await(t);                                              \
+    gpuos_for_rows<GpuosScatterRow>(t, gpuos_row_len(t->in[0])); \
   }
 
 /* gather_rows contract (host encoding): in = (table [..., D], index [...]) with index
@@ -51,8 +51,8 @@ struct GpuosGatherRow {
   }
 };
 
-#define GPUOS_DEFINE_GATHER_ROWS(SYMBOL)                           \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) {          \
-    gpuos_await(t);                                                \
-    gpuos_for_rows<GpuosGatherRow>(t, gpuos_row_len(t->out));      \
+#define GPUOS_DEFINE_GATHER_ROWS(SYMBOL)                      \
+  GPUOS_OPERATOR(SYMBOL) {                                    \
+    gpuos_await(t);                                           \
+    gpuos_for_rows<GpuosGatherRow>(t, gpuos_row_len(t->out)); \
   }

@@ -27,19 +27,19 @@
 __device__ __forceinline__ void gpuos_feed_tokens(const GpuosTask* t) {
   __shared__ int ticked;
   if (threadIdx.x == 0) {
-    const int expect = gpuos_load_i32(reinterpret_cast<const char*>(t->in[3].data));
+    const int expect = gpuos_load_i32(gpuos_data(t->in[3]));
     const unsigned long long start = gpuos_now_ns();
     bool ok = false;
-    const unsigned int* clock = reinterpret_cast<const unsigned int*>(t->in[2].data);
+    const unsigned int* clock = reinterpret_cast<const unsigned int*>(gpuos_data(t->in[2]));
     while (!(ok = static_cast<int>(gpuos_acquire_u32(clock)) - expect >= 0) &&
            gpuos_now_ns() - start < GPUOS_FEED_WAIT_NS)
       __nanosleep(64);
     ticked = ok;
   }
   __syncthreads();
-  const int* tokens = reinterpret_cast<const int*>(t->in[0].data);
-  const int* sampled = reinterpret_cast<const int*>(t->in[1].data);
-  int* out = reinterpret_cast<int*>(t->out.data);
+  const int* tokens = reinterpret_cast<const int*>(gpuos_data(t->in[0]));
+  const int* sampled = reinterpret_cast<const int*>(gpuos_data(t->in[1]));
+  int* out = reinterpret_cast<int*>(gpuos_data(t->out));
   const int64_t picks = t->in[1].numel;
   GPUOS_ROLLED
   for (int64_t r = t->range_begin + threadIdx.x; r < t->range_end; r += blockDim.x) {
@@ -56,7 +56,7 @@ __device__ __forceinline__ void gpuos_tick(const GpuosTask* t) {
 }
 
 #define GPUOS_DEFINE_FEED_TOKENS(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_await(t); gpuos_feed_tokens(t); }
+  GPUOS_OPERATOR(SYMBOL) { gpuos_await(t); gpuos_feed_tokens(t); }
 
 #define GPUOS_DEFINE_TICK(SYMBOL) \
-  extern "C" __device__ void SYMBOL(const GpuosTask* t) { gpuos_await(t); gpuos_tick(t); }
+  GPUOS_OPERATOR(SYMBOL) { gpuos_await(t); gpuos_tick(t); }
