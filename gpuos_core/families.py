@@ -30,6 +30,9 @@ MAX_HEAD_DIM = 256  # attention decode keeps one head's output in static shared 
 # time is about its rounds of dependent loads (H200 trace, bench/step_trace.py: 16 rounds of
 # 16384 elements took 14 us, one round 2 us), so a task of a few rounds finishes sooner spread.
 MIN_RECORD_ELEMENTS = 1024
+# sum/mean: reductions at most this long take a thread each, longer ones a block each
+# (GPUOS_REDUCE_SERIAL_MAX, cuda/ops/reduce.cuh)
+REDUCE_SERIAL_MAX = 64
 # scatter_rows: a record per row up to SCATTER_SPREAD rows (keys and values then take at most
 # half the SMs), else at least SCATTER_RECORD_ROWS rows a record (a warp each: gpuos_for_rows)
 SCATTER_SPREAD = 32
@@ -122,6 +125,14 @@ def _even(items: int, records: int) -> list[tuple[int, int]]:
     records = max(1, min(items, records))
     bounds = [r * items // records for r in range(records + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _side_by_side(task: LaidOut) -> list[tuple[int, int]]:
+    """A record an item up to the multiprocessors, else the items spread evenly over them: for
+    items that a block takes each and whose time is their passes' latency, not their bytes (cut
+    by elements, a step's 8 rows of 256 logits were 2 records that took 4 rows one after the
+    other: 15-16 us, where a record of one row took 6-8)."""
+    return _even(task.items, _sm_count(task.inputs[0].device))
 
 
 def write_items(
@@ -324,6 +335,15 @@ class ReduceFamily(Family):
             return xs[0].clone()
         fn = torch.mean if self._mean else torch.sum
         return fn(xs[0], dim=p.reduce_dims, keepdim=True)
+
+    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
+        """Outputs of more than REDUCE_SERIAL_MAX elements each go a block each (the step's
+        finiteness sums of the logits' rows): side by side. Shorter ones a thread each, cut by
+        elements."""
+        long = task.items and task.inputs[0].numel() > REDUCE_SERIAL_MAX * task.items
+        if tile_elements and long:
+            return _side_by_side(task)
+        return super().ranges(task, tile_elements)
 
 
 class RotaryFamily(Family):
@@ -599,6 +619,10 @@ class SampleFamily(Family):
         value = torch.zeros(out.numel(), dtype=torch.int32)
         value[begin:end] = sample_rows(*(x.reshape(-1, x.shape[-1])[begin:end] for x in xs))
         write_items(out, value.reshape(out.shape), begin, end, False)
+
+    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
+        """Rows side by side (a block a row); one record when None."""
+        return _side_by_side(task) if tile_elements else [(0, task.items)]
 
 
 class FeedTokensFamily(Family):

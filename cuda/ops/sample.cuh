@@ -35,7 +35,9 @@
  * four tokens that holds a kept one. Static shared memory: 2328 bytes (2 KiB of bins, the
  * search's broadcast words, two block reductions' partials). Math: expf/logf (accurate, no
  * calls), the subtraction, product and sum of the key unfused (__fsub_rn etc.) so that torch's
- * separately rounded ops give the same bits; 1 / T by __fdividef (masses only). */
+ * separately rounded ops give the same bits; 1 / T by __fdividef (masses only).
+ * Trace marks (bench/step_trace.py), the record's last row: 0 its max found, 1 its parameters
+ * read, 2 its token stored. */
 #pragma once
 
 #include "gpuos_device.cuh" /* found through -I<repo>/cuda */
@@ -312,9 +314,11 @@ __device__ __forceinline__ void gpuos_sample_row(const GpuosTask* t, int64_t r,
   gpuos_seek(t->in[0], gpuos_row_dims(t->in[0]), r, s.x, params, rng);
   s.n = gpuos_row_len(t->in[0]);
   unsigned int token = gpuos_sample_argmax(s.x, s.n, s.m);
+  GPUOS_MARK(0);
   s.temp = params.load(0);
   const float top_p = params.load(1);
   const int k = __float2int_rz(params.load(2));
+  GPUOS_MARK(1);
   const bool finite = s.m > gpuos_neg_inf() && s.m < -gpuos_neg_inf();
   if (s.temp > 0.0f && k != 1 && finite) {
     s.inv_t = gpuos_div(1.0f, s.temp);
@@ -329,6 +333,7 @@ __device__ __forceinline__ void gpuos_sample_row(const GpuosTask* t, int64_t r,
   if (threadIdx.x == 0) {
     *reinterpret_cast<int*>(gpuos_ptr(t->out, gpuos_offset(t->out, r))) = static_cast<int>(token);
   }
+  GPUOS_MARK(2);
 }
 
 __device__ __forceinline__ void gpuos_sample(const GpuosTask* t) {

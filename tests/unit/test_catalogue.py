@@ -12,6 +12,7 @@ import torch
 from gpuos_core import OpCall, Runtime
 from gpuos_core.calls import Prepared
 from gpuos_core.catalogue import CATALOGUE, OpSpec
+from gpuos_core.families import family
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ‖out − ref‖ / ‖ref‖ bounds for a result stored in each dtype (fp32 compute, rounding on store)
@@ -211,6 +212,21 @@ def test_long_reductions_over_contiguous_inner_dims(
         task = check(rt, OpCall(op, (x,), dims=dims))
         expect = getattr(torch, op)(x.double(), dim=dims if dims else tuple(range(x.dim())))
         assert task.out.shape == expect.shape
+
+
+def test_long_reductions_take_a_record_each_up_to_the_multiprocessors() -> None:
+    """The step's finiteness sums of its rows of logits run side by side (a block a row, a
+    record a row up to the SMs: 132 off a GPU), not 4 rows to a record in turn; reductions
+    short enough for a thread each stay cut by elements."""
+
+    def cut(shape: tuple[int, ...]) -> list[int]:
+        with Runtime("cpu") as runtime:
+            task = runtime.prepare(OpCall("sum", (torch.zeros(shape),), dims=(1,)))
+        return [e - b for b, e in family("sum").ranges(task, 16384)]
+
+    assert cut((8, 256)) == [1] * 8
+    assert cut((264, 256)) == [2] * 132
+    assert cut((4096, 64)) == [32] * 128
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -16,6 +16,7 @@ from test_catalogue import DTYPES
 
 from gpuos_core import OpCall, Runtime
 from gpuos_core.errors import TensorSpecError
+from gpuos_core.families import family
 from gpuos_core.sampler import philox4x32, rng_rows, sample_rows
 
 VOCABS = [1, 2, 31, 1000, 50257, 128256]
@@ -219,6 +220,26 @@ def test_leading_dims_broadcast_parameters_and_given_out(rt: Runtime) -> None:
     assert torch.equal(out[:, 1:4].cpu(), want)
     assert (out[:, 0] == -1).all() and (out[:, 4] == -1).all()  # nothing written around it
     assert sample(rt, logits[0, 0], params, rng[0, 0]).shape == ()  # one row: a 0-dim token
+
+
+def test_rows_take_a_record_each_up_to_the_multiprocessors() -> None:
+    """A step's rows are sampled side by side, whatever the vocabulary: a record per row up to
+    the SMs (132 off a GPU), then rows spread evenly; cut by elements, 8 rows of 256 logits
+    were 2 records that sampled 4 rows one after the other."""
+
+    def cut(rows: int, vocab: int) -> list[int]:
+        with Runtime("cpu") as runtime:
+            call = OpCall(
+                "sample_tokens", (torch.zeros(rows, vocab), params_rows(rows, 0.0), seeds(rows))
+            )
+            task = runtime.prepare(call)
+        return [e - b for b, e in family("sample_tokens").ranges(task, 16384)]
+
+    assert cut(8, 256) == [1] * 8
+    assert cut(1, 50257) == [1]
+    assert cut(264, 256) == [2] * 132
+    assert sorted(set(cut(200, 128256))) == [1, 2] and sum(cut(200, 128256)) == 200
+    assert len(cut(200, 128256)) == 132
 
 
 @pytest.mark.parametrize(
