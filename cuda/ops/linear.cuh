@@ -391,12 +391,31 @@ __device__ __forceinline__ unsigned int gpuos_smem_address(const void* p) {
   return static_cast<unsigned int>(__cvta_generic_to_shared(p));
 }
 
-/* 16 bytes into shared memory, from global memory through L2 only; `bytes` 0 writes zeros. */
-__device__ __forceinline__ void gpuos_cp_async16(unsigned int dst, const void* src, int bytes) {
+/* An L2 policy for data a step reads once (the weights): its lines are evicted first, so that
+ * streaming them does not push out what the step reads again (its activations, the KV cache,
+ * the code of operators that run once a step). */
+__device__ __forceinline__ unsigned long long gpuos_l2_evict_first() {
+  unsigned long long policy = 0;
+#if GPUOS_SM80
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#endif
+  return policy;
+}
+
+/* 16 bytes into shared memory, from global memory through L2 only; `bytes` 0 writes zeros.
+ * STREAM: with the L2 policy `policy` (gpuos_l2_evict_first). */
+template <bool STREAM>
+__device__ __forceinline__ void gpuos_cp_async16(unsigned int dst, const void* src, int bytes,
+                                                 unsigned long long policy) {
 #if GPUOS_SM80
   /* no "memory" clobber: it would make every field read from shared memory (descriptor, plan)
    * after it a fresh load; the commit and the wait, volatile and ordered with it, carry one */
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+  if constexpr (STREAM) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
+                 ::"r"(dst), "l"(src), "r"(bytes), "l"(policy));
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+  }
 #else
   __trap();
 #endif
@@ -512,7 +531,7 @@ struct GpuosLinearSource {
  * pad steps and absent rows then add nothing. Each of the GPUOS_LINEAR_MMA_THREADS threads
  * copies one 16-byte column of the stage in rows STEP apart (an even step: the rows' parity, and
  * so their swizzle, stays), with pointers advanced rather than recomputed. */
-template <int R, int COUNT>
+template <int R, int COUNT, bool STREAM>
 __device__ __forceinline__ void gpuos_linear_copy(unsigned int dst, const char* src, int64_t stride,
                                                   int rows, const GpuosLinearStage& s) {
   using Pipe = GpuosLinearPipe<R>;
@@ -523,11 +542,13 @@ __device__ __forceinline__ void gpuos_linear_copy(unsigned int dst, const char* 
   const bool kin = kofs < s.k1;
   const char* from = src + 2 * (row0 * stride + kofs);
   const unsigned int to = dst + Pipe::offset(row0, col);
+  const unsigned long long policy = STREAM ? gpuos_l2_evict_first() : 0ull;
 #pragma unroll
   for (int i = 0; i * STEP < COUNT; ++i) {
     const int row = row0 + i * STEP;
     const bool in = kin && row < rows;
-    if (row < COUNT) gpuos_cp_async16(to + i * STEP * Pipe::PITCH, in ? from : src, in ? 16 : 0);
+    if (row < COUNT)
+      gpuos_cp_async16<STREAM>(to + i * STEP * Pipe::PITCH, in ? from : src, in ? 16 : 0, policy);
     from += 2 * STEP * stride;
   }
 }
@@ -543,11 +564,11 @@ __device__ __forceinline__ void gpuos_linear_issue(const GpuosLinearSource& src,
   if (s.item >= src.end || threadIdx.x >= GPUOS_LINEAR_MMA_THREADS) return;
   if (w) {
     const char* w0 = src.w + 2 * s.n0 * src.ws;
-    gpuos_linear_copy<R, GPUOS_LINEAR_BN>(buffer, w0, src.ws, s.wrows, s);
+    gpuos_linear_copy<R, GPUOS_LINEAR_BN, true>(buffer, w0, src.ws, s.wrows, s);
   }
   if (x) {
     const char* x0 = src.x + 2 * s.row0 * src.xrs;
-    gpuos_linear_copy<R, R>(buffer + Pipe::W_BYTES, x0, src.xrs, s.rows, s);
+    gpuos_linear_copy<R, R, false>(buffer + Pipe::W_BYTES, x0, src.xrs, s.rows, s);
   }
 }
 
