@@ -594,10 +594,12 @@ __device__ __forceinline__ void gpuos_attn_scan_generic(const GpuosAttnPlan& p,
 /* The warps' states into shared mall, lall and o (rescaled to the common max, summed in warp
  * order), for the item's nq queries. All threads call; only the first `warps` warps saw keys (the
  * others' states are empty: -inf max, zero sum and outputs, so leaving them out changes no bit).
- * The warps add in one after another, so this costs a round per warp with keys and, in each, a
- * dependent chain per query (H200 trace: 8 rounds of all NQ = 8 queries took 9 us for items of
- * one query). */
-template <int NS, int NQ>
+ * AREAS (the tensor-core path, whose warps each have GPUOS_ATTN_OUT_SMEM bytes of
+ * gpuos_dynamic_smem): the warps write their rescaled outputs side by side, each into its own
+ * area, and every thread then sums its outputs over the areas in warp order, behind one barrier.
+ * Otherwise the warps add into o one after another, a barrier each (H200 trace: 8 rounds of all
+ * NQ = 8 queries took 9 us for items of one query; at one row, 4 rounds took 2 us). */
+template <int NS, int NQ, bool AREAS>
 __device__ __forceinline__ void gpuos_attn_merge(const GpuosAttnPlan& p, GpuosAttnShared& sh,
                                                  const GpuosAttnAcc<NQ, NS>& acc, int nq,
                                                  int warps) {
@@ -613,21 +615,39 @@ __device__ __forceinline__ void gpuos_attn_merge(const GpuosAttnPlan& p, GpuosAt
     sh.mall[j] = m, sh.lall[j] = l;
   }
   __syncthreads();
-  GPUOS_ROLLED
-  for (int w = 0; w < warps; ++w) {
-    if (warp == w) {
+  /* warp w's rescaled output (j, d) into `to(w, j * D + d)` */
+  const auto rescaled = [&](int w, auto to) {
 #pragma unroll
-      for (int j = 0; j < NQ; ++j) {
-        if (j >= nq) break;
-        const float f = gpuos_exp_diff(sh.m[w][j], sh.mall[j]);
+    for (int j = 0; j < NQ; ++j) {
+      if (j >= nq) break;
+      const float f = gpuos_exp_diff(sh.m[w][j], sh.mall[j]);
 #pragma unroll
-        for (int e = 0; e < NS; ++e) {
-          const int d = NS * lane + e;
-          if (d < p.d) sh.o[j * p.d + d] = (w == 0 ? 0.0f : sh.o[j * p.d + d]) + acc.v[j][e] * f;
-        }
+      for (int e = 0; e < NS; ++e) {
+        const int d = NS * lane + e;
+        if (d < p.d) to(j * p.d + d, acc.v[j][e] * f);
       }
     }
+  };
+  if constexpr (AREAS) {
+    float* areas = reinterpret_cast<float*>(gpuos_dynamic_smem +
+                                            GPUOS_ATTN_WARPS * GPUOS_ATTN_WARP_SMEM);
+    constexpr int AREA = GPUOS_ATTN_OUT_SMEM / 4;
+    if (warp < warps) rescaled(warp, [&](int i, float v) { areas[warp * AREA + i] = v; });
     __syncthreads();
+    GPUOS_ROLLED
+    for (int i = threadIdx.x; i < nq * p.d; i += blockDim.x) {
+      float o = 0.0f;
+      GPUOS_ROLLED
+      for (int w = 0; w < warps; ++w) o += areas[w * AREA + i];
+      sh.o[i] = o;
+    }
+    __syncthreads();
+  } else {
+    GPUOS_ROLLED
+    for (int w = 0; w < warps; ++w) {
+      if (warp == w) rescaled(w, [&](int i, float v) { sh.o[i] = (w == 0 ? 0.0f : sh.o[i]) + v; });
+      __syncthreads();
+    }
   }
 }
 
@@ -755,7 +775,7 @@ __device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnSh
     GPUOS_MARK(3);
     const int step = MODE == 0 ? 1 : GPUOS_ATTN_TILE; /* keys a warp takes at a time */
     const int warps = min(GPUOS_ATTN_WARPS, (it.k1 - it.k0 + step - 1) / step);
-    gpuos_attn_merge<NS, NQ>(p, sh, acc, it.nq, warps);
+    gpuos_attn_merge<NS, NQ, MODE != 0>(p, sh, acc, it.nq, warps);
     GPUOS_MARK(4);
     gpuos_attn_emit(t, p, it, sh);
     GPUOS_MARK(5);
