@@ -47,7 +47,7 @@ __device__ __forceinline__ unsigned int gpuos_smid() {
 
 /* Diagnostics (CudaConfig.trace compiles every unit with GPUOS_TRACE; CudaBackend.trace reads
  * the tables, bench/step_trace.py shows them). Per ticket, in row ticket % GPUOS_TRACE_SLOTS:
- * gpuos_trace holds [(SM << 48) | (ticket + 1), claimed, waits met, operator done] (globaltimer
+ * gpuos_trace holds [(SM << 48) | (ticket + 1), claimed, waits met, outputs published] (globaltimer
  * ns, thread 0 of the block that ran it); gpuos_trace_marks holds the times an operator reached
  * its GPUOS_MARK(k) points (the last item's, when a record has several). A mark finds its record
  * through gpuos_trace_ticket[SM], which assumes one worker block per SM (the default). */
@@ -58,19 +58,15 @@ __device__ __forceinline__ unsigned int gpuos_smid() {
 extern "C" __device__ unsigned long long gpuos_trace[GPUOS_TRACE_SLOTS][4];
 extern "C" __device__ unsigned long long gpuos_trace_marks[GPUOS_TRACE_SLOTS][GPUOS_TRACE_MARKS];
 extern "C" __device__ long long gpuos_trace_ticket[GPUOS_TRACE_SMS];
-#define GPUOS_MARK(k)                                                                          \
+/* table[the record this block runs][k] = now, by thread 0: GPUOS_MARK's marks, GPUOS_TRACE_NOW's
+ * fields of gpuos_trace (2: waits met, 3: outputs published). */
+#define GPUOS_TRACE_INTO(table, k)                                                             \
   do {                                                                                         \
     if (threadIdx.x == 0)                                                                      \
-      gpuos_trace_marks[gpuos_trace_ticket[gpuos_smid()] & (GPUOS_TRACE_SLOTS - 1)][k] =       \
-          gpuos_now_ns();                                                                      \
+      table[gpuos_trace_ticket[gpuos_smid()] & (GPUOS_TRACE_SLOTS - 1)][k] = gpuos_now_ns();   \
   } while (0)
-/* Field `field` of gpuos_trace for the record this block runs: now (thread 0). */
-#define GPUOS_TRACE_NOW(field)                                                                 \
-  do {                                                                                         \
-    if (threadIdx.x == 0)                                                                      \
-      gpuos_trace[gpuos_trace_ticket[gpuos_smid()] & (GPUOS_TRACE_SLOTS - 1)][field] =         \
-          gpuos_now_ns();                                                                      \
-  } while (0)
+#define GPUOS_MARK(k) GPUOS_TRACE_INTO(gpuos_trace_marks, k)
+#define GPUOS_TRACE_NOW(field) GPUOS_TRACE_INTO(gpuos_trace, field)
 #else
 #define GPUOS_MARK(k) ((void)0)
 #define GPUOS_TRACE_NOW(field) ((void)0)
@@ -311,9 +307,9 @@ __device__ __forceinline__ void gpuos_store_ptr(char* p, int dtype, float v) {
 }
 
 /* Byte address of `ref`'s element (0, ..., 0). Tensors are in global memory (device memory or
- * mapped host memory): saying so makes stores through it global stores, which the compiler then
- * knows leave the record (in shared memory, GPUOS_OPERATOR) unchanged, so it need not read the
- * record's fields again after each store. */
+ * mapped host memory; an empty one's address is never read): saying so makes stores through it
+ * global stores, which the compiler then knows leave the record (in shared memory,
+ * GPUOS_OPERATOR) unchanged, so it need not read the record's fields again after each store. */
 __device__ __forceinline__ char* gpuos_data(const GpuosTensorRef& ref) {
   char* p = reinterpret_cast<char*>(ref.data);
   __builtin_assume(__isGlobal(p));

@@ -340,8 +340,8 @@ class ReduceFamily(Family):
         """Outputs of more than REDUCE_SERIAL_MAX elements each go a block each (the step's
         finiteness sums of the logits' rows): side by side. Shorter ones a thread each, cut by
         elements."""
-        long = task.items and task.inputs[0].numel() > REDUCE_SERIAL_MAX * task.items
-        if tile_elements and long:
+        by_block = task.inputs[0].numel() > REDUCE_SERIAL_MAX * task.items
+        if tile_elements and task.items and by_block:
             return _side_by_side(task)
         return super().ranges(task, tile_elements)
 
