@@ -97,12 +97,14 @@ class Family:
         write_items(out, value, begin, end, self.rows_are_items)
 
     def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
-        """The work items [begin, end) of each of the task's records, in order: tiles of at most
-        `tile_elements` elements of work each (counted in its largest input), fewer when that
-        leaves multiprocessors idle (down to MIN_RECORD_ELEMENTS), one record when None.
+        """The work items [begin, end) of each of the task's records, in order: one record when
+        `tile_elements` is None, else as `cut` says."""
+        return self.cut(task, tile_elements) if tile_elements else [(0, task.items)]
+
+    def cut(self, task: LaidOut, tile_elements: int) -> list[tuple[int, int]]:
+        """Records of at most `tile_elements` elements of work each (counted in its largest
+        input), fewer when that leaves multiprocessors idle (down to MIN_RECORD_ELEMENTS).
         Families whose kernels need a plan of their own override it."""
-        if not tile_elements:
-            return [(0, task.items)]
         total = max(x.numel() for x in task.inputs)
         spread = -(-total // _sm_count(task.inputs[0].device))
         tile = min(tile_elements, max(MIN_RECORD_ELEMENTS, spread))
@@ -129,8 +131,8 @@ def _even(items: int, records: int) -> list[tuple[int, int]]:
 
 def _side_by_side(task: LaidOut) -> list[tuple[int, int]]:
     """A record an item up to the multiprocessors, else the items spread evenly over them: for
-    items that a block takes each and whose time is their passes' latency, not their bytes (cut
-    by elements, a step's 8 rows of 256 logits were 2 records that took 4 rows one after the
+    items that a block takes each, a record's time their latency more than their bytes (cut by
+    elements, a step's 8 rows of 256 logits were 2 records that took 4 rows one after the
     other: 15-16 us, where a record of one row took 6-8)."""
     return _even(task.items, _sm_count(task.inputs[0].device))
 
@@ -336,14 +338,13 @@ class ReduceFamily(Family):
         fn = torch.mean if self._mean else torch.sum
         return fn(xs[0], dim=p.reduce_dims, keepdim=True)
 
-    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
+    def cut(self, task: LaidOut, tile_elements: int) -> list[tuple[int, int]]:
         """Outputs of more than REDUCE_SERIAL_MAX elements each go a block each (the step's
         finiteness sums of the logits' rows): side by side. Shorter ones a thread each, cut by
         elements."""
-        by_block = task.inputs[0].numel() > REDUCE_SERIAL_MAX * task.items
-        if tile_elements and task.items and by_block:
+        if task.inputs[0].numel() > REDUCE_SERIAL_MAX * task.items:
             return _side_by_side(task)
-        return super().ranges(task, tile_elements)
+        return super().cut(task, tile_elements)
 
 
 class RotaryFamily(Family):
@@ -455,16 +456,14 @@ class AttentionFamily(Family):
         picked = [x[at].float() if x.is_floating_point() else x[at] for x in xs]
         out[at] = self.compute(picked, p, expr).to(out.dtype)
 
-    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
+    def cut(self, task: LaidOut, tile_elements: int) -> list[tuple[int, int]]:
         """Records of neighbouring items, ATTENTION_RECORDS_PER_SM per multiprocessor at most (so
         that blocks claiming them even out ragged rows); in warp mode the items of about
         ATTENTION_WARPS groups each, or an item per warp where the SMs allow, never a record
         with fewer items than warps: the SMs it leaves free claim the next stage's records while
         it runs (a GPT-2 step's 64 rows were 132 records of ~6 items, and the output projection
         after them waited ~5 us a layer to be claimed); multiprocessors as the plan is cut for
-        (AttentionPlan.sms). One record when None."""
-        if tile_elements is None:
-            return [(0, task.items)]
+        (AttentionPlan.sms)."""
         plan = AttentionPlan.of(*task.inputs)
         sms = plan.sms(task.inputs[0].device)
         if plan.warps:
@@ -520,15 +519,13 @@ class ScatterRowsFamily(Family):
         src, index = xs
         _scatter_rows(out, src.reshape(-1, src.shape[-1])[begin:end], index.reshape(-1)[begin:end])
 
-    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
+    def cut(self, task: LaidOut, tile_elements: int) -> list[tuple[int, int]]:
         """A record per row up to SCATTER_SPREAD rows, else records of SCATTER_RECORD_ROWS rows
         (a warp a row) or more, as `tile_elements` allows, in one wave. A step's KV append is a
         few KB and a record's time its latency: cut a row a record at 64 decode rows (for keys
         and for values) it held 128 SMs, and attention's records, claimed behind it, started
         5-7 us after it instead of 1; records of 8 rows take ~6 us against ~2 for one row, so
         fewer rows keep a record each."""
-        if not tile_elements:
-            return [(0, task.items)]
         step = 1
         if task.items > SCATTER_SPREAD:
             fits = max(1, tile_elements // max(1, task.inputs[0].shape[-1]))
@@ -620,9 +617,9 @@ class SampleFamily(Family):
         value[begin:end] = sample_rows(*(x.reshape(-1, x.shape[-1])[begin:end] for x in xs))
         write_items(out, value.reshape(out.shape), begin, end, False)
 
-    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
-        """Rows side by side (a block a row); one record when None."""
-        return _side_by_side(task) if tile_elements else [(0, task.items)]
+    def cut(self, task: LaidOut, tile_elements: int) -> list[tuple[int, int]]:
+        """Rows side by side (a block a row)."""
+        return _side_by_side(task)
 
 
 class FeedTokensFamily(Family):
@@ -667,7 +664,7 @@ class FeedTokensFamily(Family):
             )
         write_items(out, self.compute(xs, p, expr), begin, end, False)
 
-    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
+    def cut(self, task: LaidOut, tile_elements: int) -> list[tuple[int, int]]:
         return [(0, task.items)]  # one wait for the clock
 
 
@@ -925,12 +922,10 @@ class LinearFamily(Family):
         mask = owned.reshape(out.shape)
         out[mask] = value[mask].to(out.dtype)
 
-    def ranges(self, task: LaidOut, tile_elements: int | None) -> list[tuple[int, int]]:
+    def cut(self, task: LaidOut, tile_elements: int) -> list[tuple[int, int]]:
         """At most one record per multiprocessor, of neighbouring items (a record streams its
-        items' weights back to back); one record when None."""
-        if tile_elements is None:
-            return [(0, task.items)]
-        return _even(task.items, _sm_count(task.inputs[0].device))
+        items' weights back to back)."""
+        return _side_by_side(task)
 
 
 # The cut of cuda/ops/attention.cuh (its GPUOS_ATTN_* constants; tests/unit/test_attention.py
