@@ -32,6 +32,13 @@
 #else
 #define GPUOS_SM80 0
 #endif
+/* Warpgroup products (wgmma) exist only in sm_90a, the arch-specific target that jit.device_arch
+ * picks for compute capability 9.0: the linear's 64-row m-blocks use them there. */
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GPUOS_WGMMA 1
+#else
+#define GPUOS_WGMMA 0
+#endif
 
 __device__ __forceinline__ unsigned long long gpuos_now_ns() {
   unsigned long long t;

@@ -12,6 +12,7 @@ from pathlib import Path
 from .image import image_units
 from .jit import DEFAULT_ARCH, JitCache, compile_object, link_image, stats, supported_archs
 from .optable import OpVersion, catalogue_table
+from .runtime import local_arch
 
 
 def catalogue_slots() -> tuple[OpVersion, ...]:
@@ -43,12 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         "--arch",
         action="append",
         choices=supported_archs(),
-        help=f"target (repeatable; default {DEFAULT_ARCH})",
+        help=f"target (repeatable; default: this machine's GPU's, else {DEFAULT_ARCH})",
     )
     parser.add_argument("--cache-dir", type=Path, help="JIT cache (default ~/.cache/gpuos/jit)")
     args = parser.parse_args(argv)
     cache = JitCache(args.cache_dir)
-    for arch in args.arch or [DEFAULT_ARCH]:
+    for arch in args.arch or [local_arch() or DEFAULT_ARCH]:
         build(arch, cache)
     return 0
 

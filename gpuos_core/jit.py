@@ -30,6 +30,10 @@ from gpuos_core.paths import CUDA_DIR, cache_dir
 # (T4) the operators take their CUDA-core paths: mma.sync m16n8k16, cp.async and bf16 conversion
 # instructions need sm_80 (GPUOS_SM80 in gpuos_device.cuh).
 MIN_ARCH = 75
+# Arch-specific targets the device code uses the instructions of, by the base target they
+# extend: sm_90a has warpgroup products (wgmma), which the linear's 64-row m-blocks run on
+# (GPUOS_WGMMA in gpuos_device.cuh). Its objects load only on compute capability 9.0.
+_SPECIFIC = {"sm_90": "sm_90a"}
 DEFAULT_ARCH = "sm_90"  # the target when there is no device to ask (CI, the CPU backend)
 # -rdc=true: objects must link into one image. -default-device: header helpers that carry no
 # execution-space annotation compile for the device (NVRTC has no host side to compile them for).
@@ -68,14 +72,16 @@ def nvrtc_version() -> tuple[int, int]:
 def supported_archs() -> tuple[str, ...]:
     """Every target this process's NVRTC compiles for, from MIN_ARCH up, oldest first."""
     archs = _check_nvrtc(nvrtc.nvrtcGetSupportedArchs(), None, "querying NVRTC's targets")
-    return tuple(f"sm_{a}" for a in sorted(archs) if a >= MIN_ARCH)
+    base = [f"sm_{a}" for a in sorted(archs) if a >= MIN_ARCH]
+    return tuple(a for arch in base for a in (arch, _SPECIFIC.get(arch)) if a is not None)
 
 
 def device_arch(major: int, minor: int) -> str | None:
-    """The target for a device of compute capability major.minor: its own, or None when this
-    device code cannot be built for it (older than MIN_ARCH, or newer than NVRTC knows)."""
+    """The target for a device of compute capability major.minor: its own (arch-specific where
+    the device code uses that target's instructions), or None when this device code cannot be
+    built for it (older than MIN_ARCH, or newer than NVRTC knows)."""
     arch = f"sm_{major}{minor}"
-    return arch if arch in supported_archs() else None
+    return _SPECIFIC.get(arch, arch) if arch in supported_archs() else None
 
 
 def _validate_arch(arch: str) -> None:

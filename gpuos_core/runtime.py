@@ -76,8 +76,8 @@ class _State:
         return np.array([v.version for v in self.image.slots], dtype=np.int32)
 
 
-def cuda_unusable_reason() -> str | None:
-    """None when a CUDA device can run the worker, else why not (for logs and errors)."""
+def _device0() -> tuple[int, int] | str:
+    """Device 0's (major, minor) compute capability, or why there is none to read."""
     try:
         from cuda.bindings import driver
 
@@ -87,9 +87,23 @@ def cuda_unusable_reason() -> str | None:
         err, count = driver.cuDeviceGetCount()
         if err != driver.CUresult.CUDA_SUCCESS or count == 0:
             return "no CUDA device"
-        major, minor = _capability(driver, 0)
+        return _capability(driver, 0)
     except Exception as exc:  # no driver library at all
         return f"no CUDA driver ({type(exc).__name__}: {exc})"
+
+
+def local_arch() -> str | None:
+    """The target the worker builds for on this machine's device 0; None without a usable one."""
+    found = _device0()
+    return None if isinstance(found, str) else device_arch(*found)
+
+
+def cuda_unusable_reason() -> str | None:
+    """None when a CUDA device can run the worker, else why not (for logs and errors)."""
+    found = _device0()
+    if isinstance(found, str):
+        return found
+    major, minor = found
     if device_arch(major, minor) is not None:
         return None
     reason = (

@@ -36,6 +36,7 @@ from ..abi import DYNAMIC_SMEM, QUEUE, RAW_TASK, TASK, field_offset
 from ..batch import Batch
 from ..config import CudaConfig
 from ..errors import StalledWorkerError
+from ..jit import device_arch
 from ..optable import Image
 from ..threads import daemon
 from .base import Backend
@@ -150,7 +151,7 @@ class CudaBackend(Backend):
             "cuCtxSetLimit(stack)",
         )
         major, minor = (self._attribute(f"COMPUTE_CAPABILITY_{p}") for p in ("MAJOR", "MINOR"))
-        self.arch = f"sm_{major}{minor}"
+        self.arch = device_arch(major, minor)  # the runtime starts this backend only where known
         self.blocks = self._attribute("MULTIPROCESSOR_COUNT") * self.config.blocks_per_sm
         self._worker_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(worker)")
         self._copy_stream = check(cu.cuStreamCreate(_NON_BLOCKING), "cuStreamCreate(copy)")

@@ -35,7 +35,7 @@ KERNEL = CompileSpec(
 )
 ET_REL, ET_EXEC = 1, 2  # ELF e_type of a relocatable object and of a linked executable
 # Targets the tests build for: T4, A100, A10G/RTX 30, L4/RTX 40, H100/H200, B200, RTX 50.
-ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
 
 
 def elf_type_and_sm(blob: bytes) -> tuple[int, int]:
@@ -56,7 +56,7 @@ def test_units_compile_and_link_into_one_executable_cubin(arch: str) -> None:
     square = compile_object(dataclasses.replace(SQUARE, arch=arch))
     kernel = compile_object(dataclasses.replace(KERNEL, arch=arch))
     image = link_image([("square", square), ("kernel", kernel)], arch)
-    sm = int(arch.removeprefix("sm_"))
+    sm = int(arch.removeprefix("sm_").removesuffix("a"))  # sm_90a: an sm_90 object
     assert elf_type_and_sm(square) == elf_type_and_sm(kernel) == (ET_REL, sm)
     assert elf_type_and_sm(image) == (ET_EXEC, sm)
     assert b"gpuos_test_kernel" in image
@@ -170,9 +170,20 @@ def test_unsupported_arch_is_rejected() -> None:
 def test_a_device_gets_its_own_arch_when_the_device_code_builds_for_it() -> None:
     assert set(ARCHS) <= set(supported_archs())
     assert device_arch(8, 6) == "sm_86" and device_arch(12, 0) == "sm_120"
+    assert device_arch(9, 0) == "sm_90a", "H100/H200: the 64-row linear's warpgroup products"
     assert device_arch(7, 5) == "sm_75", "T4: CUDA-core paths (no mma m16n8k16, cp.async)"
     assert device_arch(7, 0) is None, "V100: NVRTC 13 builds from sm_75"
     assert device_arch(99, 0) is None, "newer than this NVRTC knows"
+
+
+def test_only_the_arch_specific_hopper_target_has_warpgroup_products() -> None:
+    """The linear's 64-row m-blocks take wgmma where GPUOS_WGMMA says the target has it."""
+    source = '#include "gpuos_device.cuh"\n#if !GPUOS_WGMMA\n#error no wgmma\n#endif\n'
+    unit = CompileSpec("gpuos_test_wgmma", source, arch="sm_90a")
+    assert elf_type_and_sm(compile_object(unit)) == (ET_REL, 90)
+    for arch in ("sm_90", "sm_100"):
+        with pytest.raises(CompileError, match="no wgmma"):
+            compile_object(dataclasses.replace(unit, arch=arch))
 
 
 def test_empty_link_inputs_are_rejected() -> None:
