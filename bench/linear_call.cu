@@ -12,8 +12,9 @@
  *   -DINLINE         inlined, the task a __shared__ object (shared-memory loads).
  * CARVEOUT=<percent> in the environment sets the kernel's preferred shared-memory carveout.
  *
- * Built and run on a CUDA machine (bench/NOTES.md quotes its output):
- *   nvcc -arch=sm_90 -rdc=true -std=c++17 -maxrregcount=96 -Icuda -o /tmp/linear_call \
+ * Built and run on a CUDA machine (bench/NOTES.md quotes its output); -arch=sm_90a builds the
+ * 64-row m-blocks on warpgroup products as the runtime does on an H100/H200, sm_90 on mma.sync:
+ *   nvcc -arch=sm_90a -rdc=true -std=c++17 -maxrregcount=96 -Icuda -o /tmp/linear_call \
  *     bench/linear_call.cu && /tmp/linear_call M N K [reps=200] [copies=24] */
 #include <cuda_runtime.h>
 

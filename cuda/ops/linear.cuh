@@ -36,6 +36,10 @@
  * per lane per step: lane (g, q) reads W[row g][k + 8q .. k + 8q + 7] and x likewise, and the two
  * products of a step read those 8 values in an order permuted consistently for A and B (the dot
  * product does not care).
+ * On sm_90a (GPUOS_WGMMA) the 64-row m-blocks take warpgroup products instead: wgmma m64n32k16
+ * with x as A and W as B, both read by the tensor cores from the stage in the 128-byte swizzle,
+ * warpgroup w taking outputs 32 w .. of the tile for all 64 rows; no shared-memory loads into
+ * registers, and the next stage's copies are issued while the products run.
  * Memory: W and x stream through a pipeline of stages in the worker's dynamic shared memory
  * (cp.async.cg: L2, never a stale L1 line; GpuosLinearPipe), running on across the items of a
  * record, so that an item's epilogue overlaps the next item's loads; where W is settled
@@ -465,6 +469,81 @@ __device__ __forceinline__ uint4 gpuos_lds16(unsigned int a) {
   return v;
 }
 
+/* ---- warpgroup products (GPUOS_WGMMA: sm_90a) ---------------------------------------------- */
+
+/* The shared-memory descriptor of a K-major operand in the 128-byte swizzle: rows of 128 bytes
+ * (64 16-bit elements of k), 16-byte chunk c of row r at chunk c ^ (r % 8), 8-row groups 1,024
+ * bytes apart from a 1,024-byte aligned base; `a` may sit 32, 64 or 96 bytes into the row (the
+ * k16 slices of a stage), the hardware swizzling by address. */
+__device__ __forceinline__ unsigned long long gpuos_wgmma_desc(unsigned int a) {
+  return ((a & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+/* Pins the accumulators around the asynchronous products: no move of them may cross. */
+__device__ __forceinline__ void gpuos_wgmma_pin(float (&d)[16]) {
+#pragma unroll
+  for (int e = 0; e < 16; ++e) asm volatile("" : "+f"(d[e]));
+}
+
+/* d[64 x 32] += A[64 x 16] B[16 x 32], A and B K-major in shared memory (gpuos_wgmma_desc): a
+ * warpgroup's product, fp32 accumulators in the layout of four m16n8 tiles per warp (warp w of
+ * the group rows 16 w .., d[4 j + 2 h + e] row g + 8 h, column 8 j + 2 q + e). */
+template <bool BF16>
+__device__ __forceinline__ void gpuos_wgmma_64x32(float (&d)[16], unsigned long long a,
+                                                  unsigned long long b) {
+#if GPUOS_WGMMA
+#define GPUOS_WGMMA_ASM(TYPE)                                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                    \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                 \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "       \
+               "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                 \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),       \
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),     \
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                            \
+               : "l"(a), "l"(b), "r"(1))
+  if constexpr (BF16) {
+    GPUOS_WGMMA_ASM("bf16");
+  } else {
+    GPUOS_WGMMA_ASM("f16");
+  }
+#undef GPUOS_WGMMA_ASM
+#else
+  __trap();
+#endif
+}
+
+/* The stage's products of one warpgroup: its 32 outputs of the n-tile (rows 32 wn of W) over
+ * the stage's 64 k, all 64 rows of x. `meanwhile()` runs while the tensor cores compute them
+ * (the next copies' issue, which stalls while the copy queue is full), then they are waited for. */
+template <bool BF16, class F>
+__device__ __forceinline__ void gpuos_wgmma_stage(float (&d)[16], unsigned int w, unsigned int x,
+                                                  F&& meanwhile) {
+#if GPUOS_WGMMA
+  /* no "memory" clobbers (they would make every field read from shared memory after them a fresh
+   * load): the barrier before and the volatile copies after keep the products between */
+  const unsigned long long a = gpuos_wgmma_desc(x), b = gpuos_wgmma_desc(w);
+  gpuos_wgmma_pin(d);
+  asm volatile("wgmma.fence.sync.aligned;");
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) /* k16 slice kk: 32 bytes on, 2 in the address field */
+    gpuos_wgmma_64x32<BF16>(d, a + 2 * kk, b + 2 * kk);
+  asm volatile("wgmma.commit_group.sync.aligned;");
+  meanwhile();
+  asm volatile("wgmma.wait_group.sync.aligned 0;");
+  gpuos_wgmma_pin(d);
+#else
+  __trap();
+#endif
+}
+
+/* After this thread's copies into shared memory landed: make them visible to the warpgroup
+ * products, which read shared memory through the async proxy. */
+__device__ __forceinline__ void gpuos_fence_async_shared() {
+#if GPUOS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 /* The pipeline of the tensor-core path, in gpuos_dynamic_smem: NS stages, each STEPS steps of
  * the current item, W's 64 rows then R rows of x (R: rows of an m-block rounded up to 8, 16, 32 or
  * 64). 16-byte chunk c of row r of either sits at chunk c ^ 4 (r & 1), so that the 8 lanes of each
@@ -473,16 +552,28 @@ __device__ __forceinline__ uint4 gpuos_lds16(unsigned int a) {
  * memory measured as fast as 96 KB and leaves room for a second worker block per SM. */
 template <int R>
 struct GpuosLinearPipe {
+  /* 64-row m-blocks on warpgroup products (GPUOS_WGMMA): rows in the 128-byte swizzle their
+   * descriptors name (chunk c of row r at c ^ (r % 8)), stages 1,024-byte aligned */
+  static constexpr bool WG = GPUOS_WGMMA && R >= 64;
   static constexpr int STEPS = R >= 64 ? 2 : 4;            /* steps a stage covers */
   static constexpr int KC = STEPS * GPUOS_LINEAR_KSTEP;    /* elements of a row of a stage */
   static constexpr int PITCH = 2 * KC;                      /* bytes of a row */
   static constexpr int CHUNKS = KC / 8;                     /* 16-byte chunks of a row */
   static constexpr int W_BYTES = GPUOS_LINEAR_BN * PITCH;
   static constexpr int BYTES = W_BYTES + R * PITCH;
-  static constexpr int NS = GPUOS_LINEAR_SMEM / BYTES < 6 ? GPUOS_LINEAR_SMEM / BYTES : 6;
+  static constexpr int ALIGN = WG ? 1024 : 16;              /* of the first stage */
+  static constexpr int ROOM = GPUOS_LINEAR_SMEM - (ALIGN - 16); /* past the worst alignment */
+  static constexpr int NS = ROOM / BYTES < 6 ? ROOM / BYTES : 6;
   static_assert(CHUNKS >= 8 && NS >= 3, "the swizzle needs 128-byte rows; the wait, 3 stages");
   static_assert(GPUOS_LINEAR_STEP_ALIGN % STEPS == 0, "items have whole stages");
-  __device__ static int offset(int r, int chunk) { return r * PITCH + 16 * (chunk ^ (r & 1 ? 4 : 0)); }
+  static_assert(!WG || (PITCH == 128 && BYTES % 1024 == 0), "128-byte swizzle atoms");
+  __device__ static int offset(int r, int chunk) {
+    return r * PITCH + 16 * (chunk ^ (WG ? r & 7 : r & 1 ? 4 : 0));
+  }
+  /* The first stage's shared address, from the dynamic shared memory's. */
+  __device__ static unsigned int first(unsigned int smem) {
+    return (smem + ALIGN - 1) & ~(ALIGN - 1u);
+  }
 };
 
 /* Where stage n of a record reads, the same in every thread (each keeps its own copy and moves it
@@ -536,7 +627,7 @@ __device__ __forceinline__ void gpuos_linear_copy(unsigned int dst, const char* 
                                                   int rows, const GpuosLinearStage& s) {
   using Pipe = GpuosLinearPipe<R>;
   constexpr int STEP = GPUOS_LINEAR_MMA_THREADS / Pipe::CHUNKS;
-  static_assert(STEP % 2 == 0, "rows STEP apart share their swizzle");
+  static_assert(STEP % 8 == 0, "rows STEP apart share their swizzle");
   const int col = threadIdx.x % Pipe::CHUNKS, row0 = threadIdx.x / Pipe::CHUNKS;
   const int kofs = s.k + 8 * col;
   const bool kin = kofs < s.k1;
@@ -582,17 +673,20 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
   using Pipe = GpuosLinearPipe<R>;
   /* The warps over the tile: WM along its rows of x, WN along its outputs. At 64 rows a 2 x 4
    * grid, each warp 32 rows x 16 outputs: 6 shared loads for 8 products a step, where 8 warps
-   * over the outputs alone read all 64 rows each (9 loads for 8). */
-  constexpr int WM = R >= 64 ? 2 : 1, WN = GPUOS_LINEAR_WARPS / WM;
-  constexpr int TM = (R < 16 ? 1 : R / 16) / WM;  /* m16 tiles of x a warp takes */
-  constexpr int NW = GPUOS_LINEAR_BN / 8 / WN;   /* n8 fragments of W a warp takes */
+   * over the outputs alone read all 64 rows each (9 loads for 8). On warpgroup products (WG) a
+   * 4 x 2 grid: warpgroup wn takes outputs 32 wn .., its warp wm rows 16 wm .. of x. */
+  constexpr bool WG = Pipe::WG;
+  constexpr int WM = WG ? 4 : R >= 64 ? 2 : 1, WN = GPUOS_LINEAR_WARPS / WM;
+  constexpr int TM = WG ? 1 : (R < 16 ? 1 : R / 16) / WM; /* m16 tiles of x a warp takes */
+  constexpr int NW = GPUOS_LINEAR_BN / 8 / WN;            /* n8 fragments of W a warp takes */
   constexpr int NS = Pipe::NS, KC = Pipe::KC;
   const int warp = threadIdx.x / GPUOS_WARP, lane = threadIdx.x % GPUOS_WARP;
-  const int g = lane >> 2, q = lane & 3, wm = warp / WN, wn = warp % WN;
+  const int g = lane >> 2, q = lane & 3;
+  const int wm = WG ? warp % WM : warp / WN, wn = WG ? warp / WM : warp % WN;
   const int wrow = 8 * NW * wn + g, xrow = 16 * TM * wm + g; /* this lane's first rows */
   const bool active = warp < GPUOS_LINEAR_WARPS;
   const int begin = static_cast<int>(t->range_begin), end = static_cast<int>(t->range_end);
-  const unsigned int base = gpuos_smem_address(gpuos_dynamic_smem);
+  const unsigned int base = Pipe::first(gpuos_smem_address(gpuos_dynamic_smem));
   const GpuosLinearSource src = {gpuos_data(t->in[1]), t->in[1].strides[0],
                                  gpuos_data(t->in[0]), p.xrs, end};
 
@@ -627,12 +721,14 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
     const GpuosLinearItem it = gpuos_linear_item(p, i);
     float bias[NW][2]; /* of this lane's outputs, where the item adds it */
     const bool biased = gpuos_linear_biased(p, it);
+    const auto load_bias = [&]() {
 #pragma unroll
-    for (int f = 0; f < NW; ++f) {
-      const int n = GPUOS_LINEAR_BN * it.nt + 8 * (NW * wn + f) + 2 * q;
-      bias[f][0] = biased ? gpuos_linear_bias(t, p, n) : 0.0f;
-      bias[f][1] = biased ? gpuos_linear_bias(t, p, n + 1) : 0.0f;
-    }
+      for (int f = 0; f < NW; ++f) {
+        const int n = GPUOS_LINEAR_BN * it.nt + 8 * (NW * wn + f) + 2 * q;
+        bias[f][0] = biased ? gpuos_linear_bias(t, p, n) : 0.0f;
+        bias[f][1] = biased ? gpuos_linear_bias(t, p, n + 1) : 0.0f;
+      }
+    };
     float acc[TM][NW][4];
 #pragma unroll
     for (int a = 0; a < TM; ++a) {
@@ -642,37 +738,67 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
         for (int e = 0; e < 4; ++e) acc[a][f][e] = 0.0f;
       }
     }
-    GPUOS_ROLLED
-    for (int j0 = 0; j0 < it.steps; j0 += Pipe::STEPS) {
-      /* this stage's group is in (at most the NS - 2 younger ones pending) and every thread is
-       * done with the buffer read last, which takes stage n + NS - 1 */
+    /* The next stage in: this stage's group is in (at most the NS - 2 younger ones pending).
+     * Returns the stage's shared address. */
+    const auto arrive = [&](bool first) {
       gpuos_cp_async_wait<NS - 2>();
+      if constexpr (WG) gpuos_fence_async_shared();
       __syncthreads();
-      const int refill = consume == 0 ? NS - 1 : consume - 1;
-      gpuos_linear_issue<R>(src, base + refill * Pipe::BYTES, fill, true, true);
+      if (i == begin && first) GPUOS_MARK(2); /* the record's first stage is in */
+      return base + consume * Pipe::BYTES;
+    };
+    /* After arrive: every thread is done with the buffer read before this stage, which takes
+     * stage n + NS - 1; then on to the next stage. */
+    const auto refill = [&]() {
+      const int buffer = consume == 0 ? NS - 1 : consume - 1;
+      gpuos_linear_issue<R>(src, base + buffer * Pipe::BYTES, fill, true, true);
       gpuos_cp_async_commit();
       fill.next(t, p, KC);
-      if (i == begin && j0 == 0) GPUOS_MARK(2); /* the record's first stage is in */
-      const unsigned int stage = base + consume * Pipe::BYTES;
       consume = consume == NS - 1 ? 0 : consume + 1;
-      if (!active) continue;
+    };
+    if constexpr (WG) {
+      /* the last stage apart: the bias (twice the outputs a lane) loaded with it, so that it
+       * takes no registers through the k loop (an item has at least one stage) */
+      float(&d)[16] = reinterpret_cast<float(&)[16]>(acc);
+      const unsigned int wofs = 32 * wn * Pipe::PITCH;
+      const auto products = [&](unsigned int stage) {
+        if (active) {
+          gpuos_wgmma_stage<BF16>(d, stage + wofs, stage + Pipe::W_BYTES, refill);
+        } else {
+          refill();
+        }
+      };
+      int j0 = 0;
+      GPUOS_ROLLED
+      for (; j0 + Pipe::STEPS < it.steps; j0 += Pipe::STEPS) products(arrive(j0 == 0));
+      const unsigned int stage = arrive(j0 == 0);
+      load_bias();
+      products(stage);
+    } else {
+      load_bias(); /* ahead of the products */
+      GPUOS_ROLLED
+      for (int j0 = 0; j0 < it.steps; j0 += Pipe::STEPS) {
+        const unsigned int stage = arrive(j0 == 0);
+        refill();
+        if (!active) continue;
 #pragma unroll
-      for (int js = 0; js < Pipe::STEPS; ++js) {
-        const unsigned int at = stage + 64 * js;
-        uint4 b[NW];
+        for (int js = 0; js < Pipe::STEPS; ++js) {
+          const unsigned int at = stage + 64 * js;
+          uint4 b[NW];
 #pragma unroll
-        for (int f = 0; f < NW; ++f)
-          b[f] = gpuos_lds16(at + (js & 1 ? wodd : weven) + 8 * f * Pipe::PITCH);
-        const unsigned int xl = at + (js & 1 ? xodd : xeven);
+          for (int f = 0; f < NW; ++f)
+            b[f] = gpuos_lds16(at + (js & 1 ? wodd : weven) + 8 * f * Pipe::PITCH);
+          const unsigned int xl = at + (js & 1 ? xodd : xeven);
 #pragma unroll
-        for (int a = 0; a < TM; ++a) {
-          const uint4 lo = gpuos_lds16(xl + 16 * a * Pipe::PITCH);
-          const uint4 hi =
-              R < 16 ? make_uint4(0, 0, 0, 0) : gpuos_lds16(xl + (16 * a + 8) * Pipe::PITCH);
+          for (int a = 0; a < TM; ++a) {
+            const uint4 lo = gpuos_lds16(xl + 16 * a * Pipe::PITCH);
+            const uint4 hi =
+                R < 16 ? make_uint4(0, 0, 0, 0) : gpuos_lds16(xl + (16 * a + 8) * Pipe::PITCH);
 #pragma unroll
-          for (int f = 0; f < NW; ++f) {
-            gpuos_mma16816<BF16>(acc[a][f], lo.x, hi.x, lo.y, hi.y, b[f].x, b[f].y);
-            gpuos_mma16816<BF16>(acc[a][f], lo.z, hi.z, lo.w, hi.w, b[f].z, b[f].w);
+            for (int f = 0; f < NW; ++f) {
+              gpuos_mma16816<BF16>(acc[a][f], lo.x, hi.x, lo.y, hi.y, b[f].x, b[f].y);
+              gpuos_mma16816<BF16>(acc[a][f], lo.z, hi.z, lo.w, hi.w, b[f].z, b[f].w);
+            }
           }
         }
       }
