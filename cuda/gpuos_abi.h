@@ -45,6 +45,12 @@ typedef unsigned long long uint64_t;
  * writes input k, so an EARLY operator may read that input before its wait (the linear streams
  * its weights in while x is produced). A record that waits for nothing needs no such flag. */
 #define GPUOS_TASK_SETTLED(k) (2 << (k))
+/* flags, LOCAL: a later record of its program waits for this record's event, so that record's
+ * completion (or one after it) publishes this one's outputs to the host too: the worker writes
+ * this record's completion without a system-scope fence first (gpuos_worker.cu). Records
+ * without it (a program's last records, every record of a plain batch) are published with
+ * one. */
+#define GPUOS_TASK_LOCAL (2 << GPUOS_MAX_INPUTS)
 
 /* Dynamic shared memory of a worker block: an operator may use gpuos_dynamic_smem
  * (gpuos_device.cuh) during its call, gpuos_dynamic_smem_bytes() of it (the backend asks for this

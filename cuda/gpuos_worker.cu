@@ -212,7 +212,13 @@ extern "C" __global__ void gpuos_worker(GpuosQueue* q, const GpuosTask* ring, un
     GpuosKnown known = {0ull, GPUOS_NO_EVENT, 0u};
     for (int k = 0; k < n; ++k) invalid |= gpuos_run(tasks + k, t0 + k, known) ? 0u : 1u << k;
     if (threadIdx.x == 0) {
-      __threadfence_system(); /* outputs visible before the completions that announce them */
+      /* outputs visible before the completions that announce them. A LOCAL record's are
+       * announced by the completion of a later record that waits for it (the fence is
+       * cumulative): fenced after every record of a program, a block took 2-8 us from one
+       * record's end to its next claim while the weights stream (bench/NOTES.md) */
+      bool publish = false;
+      for (int k = 0; k < n; ++k) publish = publish || !(tasks[k].flags & GPUOS_TASK_LOCAL);
+      if (publish) __threadfence_system();
       for (int k = 0; k < n; ++k) {
         const long long t = t0 + k;
         done[t & mask] = (invalid >> k) & 1u ? -(t + 1) : t + 1;

@@ -33,7 +33,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .abi import MAX_WAITS, NO_EVENT, OP_NOP, RAW_TASK, TASK, TENSOR_REF, field_offset, task_settled
+from .abi import (
+    MAX_WAITS,
+    NO_EVENT,
+    OP_NOP,
+    RAW_TASK,
+    TASK,
+    TASK_LOCAL,
+    TENSOR_REF,
+    field_offset,
+    task_settled,
+)
 from .batch import Batch
 from .calls import Empty, OpCall, Prepared
 from .errors import ProgramError
@@ -337,6 +347,10 @@ def encode_program(
     events = torch.zeros(plan.events, dtype=torch.int32, device=device) if plan.events else None
     _write_plan(records, plan, 0 if events is None else events.data_ptr())
     _check_plan(records)
+    # a record some later record waits for is published to the host by that one's completion
+    waited = records["wait"][records["wait"] != NO_EVENT]
+    local = (records["signal"] != NO_EVENT) & np.isin(records["signal"], waited)
+    records["flags"] |= np.where(local, TASK_LOCAL, 0).astype(records["flags"].dtype)
     tiles = np.array([len(t.records) for t in tasks])
     runs = np.column_stack([plan.joins, tiles]).ravel()  # joins, then tiles, task by task
     flags = np.column_stack([np.zeros(len(tasks), dtype=np.int64), settled]).ravel()

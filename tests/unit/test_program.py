@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpuos_core import CudaConfig, OpCall, Runtime, RuntimeConfig
-from gpuos_core.abi import task_settled
+from gpuos_core.abi import TASK_LOCAL, task_settled
 from gpuos_core.errors import ProgramError, TaskFailedError
 from gpuos_core.program import Arena, Program
 from gpuos_core.tasklist import TaskList
@@ -170,6 +170,32 @@ def test_uploads_reach_the_device_before_the_run_and_read_brings_its_results_bac
         rt.submit(program, ((x, host),)).wait(30).check()
         rt.read(out, back)
         torch.testing.assert_close(torch.from_numpy(back), torch.sigmoid(words * words))
+
+
+def test_a_programs_records_that_a_later_record_waits_for_are_published_through_it(
+    rt: Runtime,
+) -> None:
+    """The host learns of a program's completion from its records' completions; only the records
+    no later record waits for fence their outputs to system scope first, the others (TASK_LOCAL)
+    are published through the completion of those that waited for them, and every result is
+    complete when the program is."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 301, generator=gen).to(rt.device)
+    build = rt.program()
+    a = build.add(OpCall("relu", (x,)))  # 0: read by 1
+    b = build.add(OpCall("mul", (a, a)))  # 1: read by 2
+    build.add(OpCall("add", (b, x)))  # 2: the end of its chain
+    build.add(OpCall("neg", (x,)))  # 3: waits for nothing, and nothing waits for it
+    program = build.build()
+    records, owners = program.tasks.records, program.tasks.owners
+    tiles = program.tasks.op_of_record >= 0  # operator records, not joins
+    local = [bool((records["flags"][tiles & (owners == i)] & TASK_LOCAL).all()) for i in range(4)]
+    publish = [not (records["flags"][tiles & (owners == i)] & TASK_LOCAL).any() for i in range(4)]
+    assert local[:2] == [True, True] and publish[2:] == [True, True]
+    relu, square, total, negated = rt.submit(program).wait(30).results()
+    torch.testing.assert_close(total, torch.relu(x) ** 2 + x)
+    torch.testing.assert_close(negated, -x)
+    torch.testing.assert_close(square, relu * relu)
 
 
 def test_a_linear_reads_its_weight_before_its_wait_only_when_no_task_before_writes_it(
