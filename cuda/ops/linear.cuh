@@ -680,6 +680,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
   constexpr int TM = WG ? 1 : (R < 16 ? 1 : R / 16) / WM; /* m16 tiles of x a warp takes */
   constexpr int NW = GPUOS_LINEAR_BN / 8 / WN;            /* n8 fragments of W a warp takes */
   constexpr int NS = Pipe::NS, KC = Pipe::KC;
+  static_assert(!WG || TM * NW * 4 == 16, "a warpgroup product's 16 accumulators a lane");
   const int warp = threadIdx.x / GPUOS_WARP, lane = threadIdx.x % GPUOS_WARP;
   const int g = lane >> 2, q = lane & 3;
   const int wm = WG ? warp % WM : warp / WN, wn = WG ? warp / WM : warp % WN;
