@@ -194,9 +194,14 @@ __device__ __forceinline__ void gpuos_await(const GpuosTask* task) {
  * a barrier behind the record's last write: the barrier makes every thread's writes visible to
  * thread 0 and the release is cumulative, so a consumer whose acquire sees the count sees the
  * outputs. */
+/* Whether the record signals an event (a program's record; a plain batch's signal none). */
+__device__ __forceinline__ bool gpuos_signals(const GpuosTask* task) {
+  return task->events != 0 && task->signal != GPUOS_NO_EVENT;
+}
+
 __device__ __forceinline__ void gpuos_signal(const GpuosTask* task) {
   GPUOS_TRACE_NOW(3);
-  if (task->events == 0 || task->signal == GPUOS_NO_EVENT) return;
+  if (!gpuos_signals(task)) return;
   unsigned int* counter = reinterpret_cast<unsigned int*>(task->events) + task->signal;
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
 }
@@ -218,6 +223,16 @@ __device__ __forceinline__ void gpuos_signal(const GpuosTask* task) {
     if (threadIdx.x == 0) gpuos_signal(t);                           \
   }                                                                  \
   __device__ __forceinline__ void SYMBOL##_body(const GpuosTask* t)
+
+/* GPUOS_OPERATOR whose body runs once the record's events are met (gpuos_await): the form of
+ * every operator with nothing to do before its wait. */
+#define GPUOS_AWAITING_OPERATOR(SYMBOL)                                 \
+  __device__ __forceinline__ void SYMBOL##_awaited(const GpuosTask* t); \
+  GPUOS_OPERATOR(SYMBOL) {                                              \
+    gpuos_await(t);                                                     \
+    SYMBOL##_awaited(t);                                                \
+  }                                                                     \
+  __device__ __forceinline__ void SYMBOL##_awaited(const GpuosTask* t)
 
 /* ---- dtype conversions ---------------------------------------------------------------------- */
 

@@ -131,7 +131,7 @@ struct GpuosKnown {
 
   /* `task` has signalled its event (gpuos_signal): its counter has one more. */
   __device__ __forceinline__ void signalled(const GpuosTask* task) {
-    if (task->events == 0 || task->signal == GPUOS_NO_EVENT) return;
+    if (!gpuos_signals(task)) return;
     const bool same = events == task->events && event == task->signal;
     *this = GpuosKnown{task->events, task->signal, same ? count + 1 : 1u};
   }

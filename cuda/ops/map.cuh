@@ -107,7 +107,4 @@ __device__ __forceinline__ void gpuos_map(const GpuosTask* t) {
 
 /* One map operator version, SYMBOL (GPUOS_OPERATOR). */
 #define GPUOS_DEFINE_MAP(SYMBOL, FUNCTOR, ARITY) \
-  GPUOS_OPERATOR(SYMBOL) {                       \
-    gpuos_await(t);                              \
-    gpuos_map<ARITY, FUNCTOR>(t);                \
-  }
+  GPUOS_AWAITING_OPERATOR(SYMBOL) { gpuos_map<ARITY, FUNCTOR>(t); }

@@ -68,6 +68,6 @@ __device__ __forceinline__ void gpuos_reduce(const GpuosTask* t) {
 }
 
 #define GPUOS_DEFINE_SUM(SYMBOL) \
-  GPUOS_OPERATOR(SYMBOL) { gpuos_await(t); gpuos_reduce<false>(t); }
+  GPUOS_AWAITING_OPERATOR(SYMBOL) { gpuos_reduce<false>(t); }
 #define GPUOS_DEFINE_MEAN(SYMBOL) \
-  GPUOS_OPERATOR(SYMBOL) { gpuos_await(t); gpuos_reduce<true>(t); }
+  GPUOS_AWAITING_OPERATOR(SYMBOL) { gpuos_reduce<true>(t); }

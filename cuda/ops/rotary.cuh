@@ -42,7 +42,6 @@ struct GpuosRotaryRow {
 };
 
 #define GPUOS_DEFINE_ROTARY(SYMBOL)                                 \
-  GPUOS_OPERATOR(SYMBOL) {                                          \
-    gpuos_await(t);                                                 \
+  GPUOS_AWAITING_OPERATOR(SYMBOL) {                                 \
     gpuos_for_rows<GpuosRotaryRow>(t, gpuos_row_len(t->in[0]) / 2); \
   }

@@ -118,16 +118,10 @@ __device__ __forceinline__ void gpuos_rows(const GpuosTask* t) {
   gpuos_for_rows<Op>(t, gpuos_row_len(t->in[0]));
 }
 
-#define GPUOS_DEFINE_SOFTMAX(SYMBOL)        \
-  GPUOS_OPERATOR(SYMBOL) {                  \
-    gpuos_await(t);                         \
-    gpuos_rows<GpuosSoftmaxRow<false> >(t); \
-  }
-#define GPUOS_DEFINE_LOG_SOFTMAX(SYMBOL)   \
-  GPUOS_OPERATOR(SYMBOL) {                 \
-    gpuos_await(t);                        \
-    gpuos_rows<GpuosSoftmaxRow<true> >(t); \
-  }
+#define GPUOS_DEFINE_SOFTMAX(SYMBOL) \
+  GPUOS_AWAITING_OPERATOR(SYMBOL) { gpuos_rows<GpuosSoftmaxRow<false> >(t); }
+#define GPUOS_DEFINE_LOG_SOFTMAX(SYMBOL) \
+  GPUOS_AWAITING_OPERATOR(SYMBOL) { gpuos_rows<GpuosSoftmaxRow<true> >(t); }
 #define GPUOS_DEFINE_LAYERNORM(SYMBOL) \
   GPUOS_OPERATOR(SYMBOL) {             \
     gpuos_norm_warm_await<1>(t);       \

@@ -343,4 +343,4 @@ __device__ __forceinline__ void gpuos_sample(const GpuosTask* t) {
 }
 
 #define GPUOS_DEFINE_SAMPLE_TOKENS(SYMBOL) \
-  GPUOS_OPERATOR(SYMBOL) { gpuos_await(t); gpuos_sample(t); }
+  GPUOS_AWAITING_OPERATOR(SYMBOL) { gpuos_sample(t); }

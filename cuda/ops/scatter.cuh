@@ -28,8 +28,7 @@ struct GpuosScatterRow {
 };
 
 #define GPUOS_DEFINE_SCATTER_ROWS(SYMBOL)                        \
-  GPUOS_OPERATOR(SYMBOL) {                                       \
-    gpuos_await(t);                                              \
+  GPUOS_AWAITING_OPERATOR(SYMBOL) {                              \
     gpuos_for_rows<GpuosScatterRow>(t, gpuos_row_len(t->in[0])); \
   }
 
@@ -52,7 +51,6 @@ struct GpuosGatherRow {
 };
 
 #define GPUOS_DEFINE_GATHER_ROWS(SYMBOL)                      \
-  GPUOS_OPERATOR(SYMBOL) {                                    \
-    gpuos_await(t);                                           \
+  GPUOS_AWAITING_OPERATOR(SYMBOL) {                           \
     gpuos_for_rows<GpuosGatherRow>(t, gpuos_row_len(t->out)); \
   }

@@ -56,7 +56,7 @@ __device__ __forceinline__ void gpuos_tick(const GpuosTask* t) {
 }
 
 #define GPUOS_DEFINE_FEED_TOKENS(SYMBOL) \
-  GPUOS_OPERATOR(SYMBOL) { gpuos_await(t); gpuos_feed_tokens(t); }
+  GPUOS_AWAITING_OPERATOR(SYMBOL) { gpuos_feed_tokens(t); }
 
 #define GPUOS_DEFINE_TICK(SYMBOL) \
-  GPUOS_OPERATOR(SYMBOL) { gpuos_await(t); gpuos_tick(t); }
+  GPUOS_AWAITING_OPERATOR(SYMBOL) { gpuos_tick(t); }
