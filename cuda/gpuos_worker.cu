@@ -67,39 +67,72 @@ __device__ __forceinline__ bool gpuos_give_back(GpuosQueue* q, unsigned long lon
   return atomicCAS(&q->head, t + n, t) == t + n;
 }
 
+/* Whether the block's tickets [t, t + n) are published: waits for the host to publish them and
+ * returns the tail it saw (> t), or, when stopped or idle for `idle_ns`, gives them back once no
+ * later ticket exists (the blocks holding unpublished tickets give theirs back from the highest
+ * down) and returns 0. Thread 0 only. */
+__device__ unsigned long long gpuos_published(GpuosQueue* q, unsigned long long t, int n,
+                                              unsigned long long idle_ns) {
+  const unsigned long long waiting = gpuos_now_ns();
+  for (;;) {
+    const unsigned long long tail = gpuos_acquire(&q->tail);
+    if (tail >= t + n) return tail;
+    const bool stop = *reinterpret_cast<volatile unsigned long long*>(&q->stop);
+    if ((stop || gpuos_now_ns() - waiting > idle_ns) && gpuos_give_back(q, t, n)) return 0;
+    __nanosleep(256);
+  }
+}
+
+/* What thread 0 of a block learnt at its last look at the queue: every ticket below `tail` is
+ * published (its acquire load saw that tail, so those descriptors are visible to it), the block's
+ * last claim ended at ticket `next`, and the queue asked for claims of one record (`single`: a
+ * program is being published). */
+struct GpuosSeen {
+  unsigned long long tail;
+  unsigned long long next;
+  bool single;
+};
+
 /* Claims records for this block: sets *first and returns how many (at least one), or returns 0
  * when the block should exit. Thread 0 only.
  * A ticket is one atomicAdd on `head`: all blocks get theirs in one round trip to L2 (claims by
  * compare-and-swap succeeded one per round trip, ~0.45 us each under contention, which bounded a
- * decode step of ~4000 records to ~1.8 ms). A ticket may run past `tail` (another block took the
- * last published records between this block's look and its add): the block then waits for the
- * host to publish them, or, idle for `idle_ns`, gives them back once no later ticket exists (the
- * blocks holding unpublished tickets give theirs back from the highest down), and exits. */
-__device__ int gpuos_claim(GpuosQueue* q, unsigned long long started, unsigned long long idle_since,
-                           unsigned long long idle_ns, unsigned long long lease_ns,
-                           long long* first) {
+ * decode step of ~4000 records to ~1.8 ms). Claiming one record while the last look saw records
+ * left, the block takes its ticket without looking again: looking (the tail, then head and the
+ * claim limit, then the add) took three round trips, and a block took 2-8 us from a program
+ * record's end to its next claim while the weights stream (bench/NOTES.md). A ticket may run
+ * past `tail` (other blocks took the last published records since the look): the block then
+ * waits for it to be published (gpuos_published) and exits if it is given back. */
+__device__ int gpuos_claim(GpuosQueue* q, GpuosSeen& seen, unsigned long long started,
+                           unsigned long long idle_since, unsigned long long idle_ns,
+                           unsigned long long lease_ns, long long* first) {
   for (;;) {
     const unsigned long long now = gpuos_now_ns();
     if (now - started > lease_ns) return 0;
-    const unsigned long long tail = gpuos_acquire(&q->tail);
-    const unsigned long long head = *reinterpret_cast<volatile unsigned long long*>(&q->head);
-    const unsigned long long max_claim = *reinterpret_cast<volatile unsigned long long*>(&q->claim);
-    if (head < tail) {
-      const unsigned long long share = (tail - head) / gridDim.x;
-      const int take = static_cast<int>(share < 1 ? 1 : (share > max_claim ? max_claim : share));
-      const unsigned long long t = atomicAdd(&q->head, static_cast<unsigned long long>(take));
-      *first = static_cast<long long>(t);
-      if (t + take <= tail) return take;
-      const unsigned long long waiting = gpuos_now_ns();
-      for (;;) { /* some of the tickets are not published yet */
-        if (gpuos_acquire(&q->tail) >= t + take) return take;
-        const bool stop = *reinterpret_cast<volatile unsigned long long*>(&q->stop);
-        if ((stop || gpuos_now_ns() - waiting > idle_ns) && gpuos_give_back(q, t, take)) return 0;
+    int take = 1;
+    unsigned long long t;
+    if (seen.single && seen.next < seen.tail) {
+      t = atomicAdd(&q->head, 1ull);
+    } else {
+      const unsigned long long tail = gpuos_acquire(&q->tail);
+      const unsigned long long head = *reinterpret_cast<volatile unsigned long long*>(&q->head);
+      const unsigned long long max_claim = *reinterpret_cast<volatile unsigned long long*>(&q->claim);
+      seen = GpuosSeen{tail, head, max_claim == 1};
+      if (head >= tail) {
+        if (*reinterpret_cast<volatile unsigned long long*>(&q->stop) || now - idle_since > idle_ns)
+          return 0;
         __nanosleep(256);
+        continue;
       }
+      const unsigned long long share = (tail - head) / gridDim.x;
+      take = static_cast<int>(share < 1 ? 1 : (share > max_claim ? max_claim : share));
+      t = atomicAdd(&q->head, static_cast<unsigned long long>(take));
     }
-    if (*reinterpret_cast<volatile unsigned long long*>(&q->stop) || now - idle_since > idle_ns) return 0;
-    __nanosleep(256);
+    *first = static_cast<long long>(t);
+    seen.next = t + take;
+    if (seen.next <= seen.tail) return take;
+    seen.tail = gpuos_published(q, t, take, idle_ns);
+    return seen.tail == 0 ? 0 : take;
   }
 }
 
@@ -193,9 +226,10 @@ extern "C" __global__ void gpuos_worker(GpuosQueue* q, const GpuosTask* ring, un
   __shared__ int count;
   const unsigned long long started = gpuos_now_ns();
   unsigned long long idle_since = started;
+  GpuosSeen seen = {0ull, 0ull, false}; /* thread 0's */
   for (;;) {
     if (threadIdx.x == 0)
-      count = gpuos_claim(q, started, idle_since, idle_ns, lease_ns, &first);
+      count = gpuos_claim(q, seen, started, idle_since, idle_ns, lease_ns, &first);
     __syncthreads();
     const int n = count;
     const long long t0 = first;

@@ -4,10 +4,11 @@ runtime protocol).
 Submission: a batch's records are staged in pinned host memory at their ring positions, copied to
 the device ring with one async copy (two when it wraps), and the new tail is written after them in
 the same stream (cuStreamWriteValue64, or a one-thread kernel where stream memory operations are
-unsupported). Worker blocks claim records by compare-and-swap and write completions to mapped host
-memory; a poller thread (and any thread waiting on a batch) reaps them. The worker is leased: it
-exits when idle or when its lease ends, and is relaunched when records are pending, by submit or by
-the poller's watchdog. A record slot is reused only after its previous record completed.
+unsupported). Worker blocks take records by tickets (an atomic add on the queue's head) and write
+completions to mapped host memory; a poller thread (and any thread waiting on a batch) reaps them.
+The worker is leased: it exits when idle or when its lease ends, and is relaunched when records are
+pending, by submit or by the poller's watchdog. A record slot is reused only after its previous
+record completed.
 
 Ordering with torch: a batch runs after the work queued before its submit on the submitting
 thread's current torch stream (it usually produced the inputs); inputs written on other streams
