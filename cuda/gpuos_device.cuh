@@ -190,15 +190,15 @@ __device__ __forceinline__ void gpuos_await(const GpuosTask* task) {
   GPUOS_TRACE_NOW(2);
 }
 
-/* Publishes the record's outputs: adds one to the event it signals, if any. Thread 0 only, after
- * a barrier behind the record's last write: the barrier makes every thread's writes visible to
- * thread 0 and the release is cumulative, so a consumer whose acquire sees the count sees the
- * outputs. */
 /* Whether the record signals an event (a program's record; a plain batch's signal none). */
 __device__ __forceinline__ bool gpuos_signals(const GpuosTask* task) {
   return task->events != 0 && task->signal != GPUOS_NO_EVENT;
 }
 
+/* Publishes the record's outputs: adds one to the event it signals, if any. Thread 0 only, after
+ * a barrier behind the record's last write: the barrier makes every thread's writes visible to
+ * thread 0 and the release is cumulative, so a consumer whose acquire sees the count sees the
+ * outputs. */
 __device__ __forceinline__ void gpuos_signal(const GpuosTask* task) {
   GPUOS_TRACE_NOW(3);
   if (!gpuos_signals(task)) return;

@@ -349,8 +349,7 @@ def encode_program(
     _check_plan(records)
     # a record some later record waits for is published to the host by that one's completion
     waited = records["wait"][records["wait"] != NO_EVENT]
-    local = (records["signal"] != NO_EVENT) & np.isin(records["signal"], waited)
-    records["flags"] |= np.where(local, TASK_LOCAL, 0).astype(records["flags"].dtype)
+    records["flags"][np.isin(records["signal"], waited)] |= TASK_LOCAL
     tiles = np.array([len(t.records) for t in tasks])
     runs = np.column_stack([plan.joins, tiles]).ravel()  # joins, then tiles, task by task
     flags = np.column_stack([np.zeros(len(tasks), dtype=np.int64), settled]).ravel()
