@@ -143,6 +143,7 @@ struct GpuosAttnShared {
   float mall[GPUOS_ATTN_MAX_Q], lall[GPUOS_ATTN_MAX_Q]; /* the merged ones */
   GpuosAttnPlan plan;
   GpuosAttnItem item; /* the current item, from thread 0: no thread keeps it in registers */
+  unsigned int round0[GPUOS_ATTN_WARPS]; /* warp mode: gpuos_attn_warm's ballot, per warp */
   int last;           /* this block completed a group */
 };
 
@@ -742,8 +743,14 @@ __device__ __forceinline__ bool gpuos_attn_busy(const GpuosAttnItem& it) {
   return it.split < it.active || (it.active == 0 && it.split == 0);
 }
 
+/* Whether the record's lengths are settled (the host's: no producer in the program writes
+ * them): then the items it decodes before its wait are the ones it runs (gpuos_attn_warm), and
+ * the round trips that read their lengths are off its path. */
+__device__ __forceinline__ bool gpuos_attn_known(const GpuosTask* t) { return gpuos_settled(t, 3); }
+
 /* Block mode: the record's items one after another, with NS output dims per lane; MODE 0: CUDA
- * cores, 1: fp16 and 2: bf16 on tensor cores. */
+ * cores, 1: fp16 and 2: bf16 on tensor cores. Where the lengths are known, the first item is in
+ * sh.item already (gpuos_attn_warm). */
 template <int NS, int MODE>
 __device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnShared& sh) {
   constexpr int NQ = gpuos_attn_nq(NS);
@@ -754,7 +761,8 @@ __device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnSh
   GPUOS_ROLLED
   for (int64_t i = t->range_begin; i < t->range_end; ++i) {
     __syncthreads(); /* the previous item's readers of item, q, o and last are done */
-    if (threadIdx.x == 0) sh.item = gpuos_attn_item(t, p, i);
+    if (threadIdx.x == 0 && (i > t->range_begin || !gpuos_attn_known(t)))
+      sh.item = gpuos_attn_item(t, p, i);
     __syncthreads();
     GPUOS_MARK(1);
     if (!gpuos_attn_busy(it)) continue;
@@ -789,20 +797,30 @@ __device__ __forceinline__ int gpuos_nth_bit(unsigned int mask, int k) {
   return __ffs(mask) - 1;
 }
 
+/* The busy items among the record's items r0 .. r0 + 31 (lane i decodes item r0 + i, from the
+ * lengths as they are), as a ballot. Warp-uniform. */
+__device__ __forceinline__ unsigned int gpuos_attn_busy_round(const GpuosTask* t,
+                                                             const GpuosAttnPlan& p, int64_t r0) {
+  const int64_t i = r0 + threadIdx.x % GPUOS_WARP;
+  const bool busy = i < t->range_end && gpuos_attn_busy(gpuos_attn_item(t, p, i));
+  return __ballot_sync(GPUOS_ALL_LANES, busy);
+}
+
 /* Warp mode's deal: f(i) for each item of the record that has work and falls to this warp, in
- * order, while f returns true. The lanes decode 32 items at a time, from the lengths as they are,
- * and the busy ones go to the warps in turn. Warp-uniform; warps past GPUOS_ATTN_WARPS get none. */
+ * order, while f returns true. The lanes decode 32 items at a time (gpuos_attn_busy_round; the
+ * first 32 are sh.round0 where the lengths are known), and the busy ones go to the warps in
+ * turn. Warp-uniform; warps past GPUOS_ATTN_WARPS get none. */
 template <class F>
-__device__ __forceinline__ void gpuos_attn_deal(const GpuosTask* t, const GpuosAttnPlan& p, F f) {
-  const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
+__device__ __forceinline__ void gpuos_attn_deal(const GpuosTask* t, const GpuosAttnShared& sh,
+                                                F f) {
+  const int warp = threadIdx.x / GPUOS_WARP;
   if (warp >= GPUOS_ATTN_WARPS) return;
   int next = warp; /* this warp's next rank among the record's busy items */
   int seen = 0;    /* busy items in the rounds so far */
   GPUOS_ROLLED
   for (int64_t r0 = t->range_begin; r0 < t->range_end; r0 += GPUOS_WARP) {
-    const int64_t i = r0 + lane;
-    const bool busy = i < t->range_end && gpuos_attn_busy(gpuos_attn_item(t, p, i));
-    const unsigned int mask = __ballot_sync(GPUOS_ALL_LANES, busy);
+    const bool given = r0 == t->range_begin && gpuos_attn_known(t);
+    const unsigned int mask = given ? sh.round0[warp] : gpuos_attn_busy_round(t, sh.plan, r0);
     const int before = seen;
     seen += __popc(mask);
     for (; next < seen; next += GPUOS_ATTN_WARPS)
@@ -810,17 +828,19 @@ __device__ __forceinline__ void gpuos_attn_deal(const GpuosTask* t, const GpuosA
   }
 }
 
-/* Warp mode: item i by this warp alone, its item and queries in the warp's staging area; the
- * outputs, or its partial counted in (the warp that completes the group combines it). */
+/* Warp mode: item i by this warp alone, its item and queries in the warp's staging area (the
+ * item there already where `decoded`: gpuos_attn_warm); the outputs, or its partial counted in
+ * (the warp that completes the group combines it). */
 template <int NS, bool BF16>
 __device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const GpuosAttnPlan& p,
-                                                     GpuosAttnShared& sh, int64_t i, char* area) {
+                                                     GpuosAttnShared& sh, int64_t i, char* area,
+                                                     bool decoded) {
   constexpr int NQ = gpuos_attn_nq(NS);
   const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
   GpuosAttnItem& it = *reinterpret_cast<GpuosAttnItem*>(area);
   float* qs = reinterpret_cast<float*>(area + GPUOS_ATTN_WARP_Q);
   __syncwarp(); /* the previous item's readers of the area are done */
-  if (lane == 0) it = gpuos_attn_item(t, p, i);
+  if (lane == 0 && !decoded) it = gpuos_attn_item(t, p, i);
   __syncwarp();
   GPUOS_MARK(1); /* marks: warp 0's last item */
   if (it.active == 0) {
@@ -863,11 +883,16 @@ __device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const G
   }
 }
 
+/* Where the lengths are known, a warp whose first item is among the record's first 32 has it in
+ * its staging area already (gpuos_attn_warm). */
 template <int NS, bool BF16>
 __device__ __forceinline__ void gpuos_attn_warp_items(const GpuosTask* t, GpuosAttnShared& sh) {
-  char* area = gpuos_dynamic_smem + GPUOS_ATTN_WARP_SMEM * (threadIdx.x / GPUOS_WARP);
-  gpuos_attn_deal(t, sh.plan, [&](int64_t i) {
-    gpuos_attn_warp_item<NS, BF16>(t, sh.plan, sh, i, area);
+  const int warp = threadIdx.x / GPUOS_WARP;
+  char* area = gpuos_dynamic_smem + GPUOS_ATTN_WARP_SMEM * warp;
+  bool decoded = warp < GPUOS_ATTN_WARPS && __popc(sh.round0[warp]) > warp && gpuos_attn_known(t);
+  gpuos_attn_deal(t, sh, [&](int64_t i) {
+    gpuos_attn_warp_item<NS, BF16>(t, sh.plan, sh, i, area, decoded);
+    decoded = false;
     return true;
   });
 }
@@ -902,22 +927,32 @@ __device__ __forceinline__ void gpuos_attn_warm_item(const GpuosTask* t, const G
   }
 }
 
-/* Before the queries are ready (GPUOS_TASK_EARLY), ask L2 for the keys and values the record
- * starts with: the first item's in block mode, each warp's first GPUOS_ATTN_ALIGN in warp mode.
- * Items are decoded from lengths as they are now, which a producer may still rewrite: only a
- * hint, and their rows are bounded by K's and V's own sizes whatever it reads. */
-__device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, const GpuosAttnPlan& p) {
+/* Before the queries are ready (GPUOS_TASK_EARLY): what the record can learn of its items, and
+ * L2 asked for the keys and values it starts with (the first item's in block mode, each warp's
+ * first GPUOS_ATTN_ALIGN in warp mode). Items are decoded from the lengths as they are now:
+ * where they are known (gpuos_attn_known), the first item goes to sh.item (block mode) or the
+ * warp's staging area (warp mode, with the first 32 items' ballot in sh.round0), else what a
+ * producer may still rewrite is only a hint, whose rows are bounded by K's and V's own sizes.
+ * All threads call. */
+__device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, GpuosAttnShared& sh) {
+  const GpuosAttnPlan& p = sh.plan;
+  const bool known = gpuos_attn_known(t);
   if (!p.warps) {
     const GpuosAttnItem it = gpuos_attn_item(t, p, t->range_begin);
-    gpuos_attn_warm_item(t, p, it, it.k1 - it.k0, threadIdx.x, blockDim.x);
+    if (known && threadIdx.x == 0) sh.item = it;
+    if (p.fast) gpuos_attn_warm_item(t, p, it, it.k1 - it.k0, threadIdx.x, blockDim.x);
     return;
   }
-  gpuos_attn_deal(t, p, [&](int64_t i) {
-    const GpuosAttnItem it = gpuos_attn_item(t, p, i);
-    const int keys = min(it.k1 - it.k0, GPUOS_ATTN_ALIGN);
-    gpuos_attn_warm_item(t, p, it, max(keys, 0), threadIdx.x % GPUOS_WARP, GPUOS_WARP);
-    return false;
-  });
+  const int warp = threadIdx.x / GPUOS_WARP;
+  if (warp >= GPUOS_ATTN_WARPS) return;
+  const unsigned int round0 = gpuos_attn_busy_round(t, p, t->range_begin);
+  sh.round0[warp] = round0; /* by every lane, so each reads its own store */
+  if (__popc(round0) <= warp) return;
+  const GpuosAttnItem it = gpuos_attn_item(t, p, t->range_begin + gpuos_nth_bit(round0, warp));
+  if (known && threadIdx.x % GPUOS_WARP == 0)
+    *reinterpret_cast<GpuosAttnItem*>(gpuos_dynamic_smem + GPUOS_ATTN_WARP_SMEM * warp) = it;
+  const int keys = min(it.k1 - it.k0, GPUOS_ATTN_ALIGN);
+  gpuos_attn_warm_item(t, p, it, max(keys, 0), threadIdx.x % GPUOS_WARP, GPUOS_WARP);
 }
 
 __device__ __forceinline__ void gpuos_attention_decode(const GpuosTask* t) {
@@ -926,12 +961,12 @@ __device__ __forceinline__ void gpuos_attention_decode(const GpuosTask* t) {
     gpuos_await(t);
     return;
   }
-  /* GPUOS_TASK_EARLY: the plan (from the workspace's header, written when the task was built)
-   * and the first item's keys come before the wait for q, k and v */
+  /* GPUOS_TASK_EARLY: the plan (from the workspace's header, written when the task was built),
+   * the first items (settled lengths) and their keys' warm-up come before the wait for q, k, v */
   if (threadIdx.x == 0) sh.plan = gpuos_attn_plan(t);
   __syncthreads();
   GPUOS_MARK(0);
-  if (sh.plan.fast) gpuos_attn_warm(t, sh.plan);
+  gpuos_attn_warm(t, sh);
   GPUOS_MARK(6); /* the warm-up issued, before the wait */
   gpuos_await(t);
   /* Few versions of the loops: dims per lane rounded up to a power of two. */
