@@ -776,6 +776,17 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
       load_bias();
       products(stage);
     } else {
+      /* each step's second k16 half into its own accumulators, so that a stage's products are
+       * two chains of STEPS dependent products, not one of 2 STEPS; summed once at the end */
+      float odd[TM][NW][4];
+#pragma unroll
+      for (int a = 0; a < TM; ++a) {
+#pragma unroll
+        for (int f = 0; f < NW; ++f) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) odd[a][f][e] = 0.0f;
+        }
+      }
       load_bias(); /* ahead of the products */
       GPUOS_ROLLED
       for (int j0 = 0; j0 < it.steps; j0 += Pipe::STEPS) {
@@ -798,9 +809,17 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
 #pragma unroll
             for (int f = 0; f < NW; ++f) {
               gpuos_mma16816<BF16>(acc[a][f], lo.x, hi.x, lo.y, hi.y, b[f].x, b[f].y);
-              gpuos_mma16816<BF16>(acc[a][f], lo.z, hi.z, lo.w, hi.w, b[f].z, b[f].w);
+              gpuos_mma16816<BF16>(odd[a][f], lo.z, hi.z, lo.w, hi.w, b[f].z, b[f].w);
             }
           }
+        }
+      }
+#pragma unroll
+      for (int a = 0; a < TM; ++a) {
+#pragma unroll
+        for (int f = 0; f < NW; ++f) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[a][f][e] += odd[a][f][e];
         }
       }
     }
