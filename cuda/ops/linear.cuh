@@ -730,13 +730,16 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
         bias[f][1] = biased ? gpuos_linear_bias(t, p, n + 1) : 0.0f;
       }
     };
-    float acc[TM][NW][4];
+    /* odd: below 64 rows, each step's second k16 half goes to its own accumulators, so that a
+     * stage's products are two chains of STEPS dependent products, not one of 2 STEPS; summed
+     * into acc once at the end (on warpgroup products it is never used) */
+    float acc[TM][NW][4], odd[TM][NW][4];
 #pragma unroll
     for (int a = 0; a < TM; ++a) {
 #pragma unroll
       for (int f = 0; f < NW; ++f) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[a][f][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) acc[a][f][e] = odd[a][f][e] = 0.0f;
       }
     }
     /* The next stage in: this stage's group is in (at most the NS - 2 younger ones pending).
@@ -776,17 +779,6 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
       load_bias();
       products(stage);
     } else {
-      /* each step's second k16 half into its own accumulators, so that a stage's products are
-       * two chains of STEPS dependent products, not one of 2 STEPS; summed once at the end */
-      float odd[TM][NW][4];
-#pragma unroll
-      for (int a = 0; a < TM; ++a) {
-#pragma unroll
-        for (int f = 0; f < NW; ++f) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) odd[a][f][e] = 0.0f;
-        }
-      }
       load_bias(); /* ahead of the products */
       GPUOS_ROLLED
       for (int j0 = 0; j0 < it.steps; j0 += Pipe::STEPS) {
