@@ -23,7 +23,7 @@ NO_EVENT = -1
 OP_NOP = -2
 TASK_EARLY = 1  # flags: the operator awaits the record's events itself (gpuos_abi.h)
 TASK_LOCAL = 2 << MAX_INPUTS  # flags: a later record of its program waits for it (gpuos_abi.h)
-DYNAMIC_SMEM = 73728  # bytes of dynamic shared memory a worker block asks for (gpuos_abi.h)
+DYNAMIC_SMEM = 73856  # bytes of dynamic shared memory a worker block asks for (gpuos_abi.h)
 
 
 def task_settled(k: int) -> int:

@@ -748,6 +748,14 @@ __device__ __forceinline__ bool gpuos_attn_busy(const GpuosAttnItem& it) {
  * the round trips that read their lengths are off its path. */
 __device__ __forceinline__ bool gpuos_attn_known(const GpuosTask* t) { return gpuos_settled(t, 3); }
 
+/* Warp mode: whether warp `warp` (< GPUOS_ATTN_WARPS) has its first item in its staging area
+ * before the wait: it has one among the record's first 32 (`round0`, their ballot) and the
+ * lengths are known. gpuos_attn_warm stages it; gpuos_attn_warp_items runs it. */
+__device__ __forceinline__ bool gpuos_attn_staged(const GpuosTask* t, unsigned int round0,
+                                                  int warp) {
+  return __popc(round0) > warp && gpuos_attn_known(t);
+}
+
 /* Block mode: the record's items one after another, with NS output dims per lane; MODE 0: CUDA
  * cores, 1: fp16 and 2: bf16 on tensor cores. Where the lengths are known, the first item is in
  * sh.item already (gpuos_attn_warm). */
@@ -889,7 +897,7 @@ template <int NS, bool BF16>
 __device__ __forceinline__ void gpuos_attn_warp_items(const GpuosTask* t, GpuosAttnShared& sh) {
   const int warp = threadIdx.x / GPUOS_WARP;
   char* area = gpuos_dynamic_smem + GPUOS_ATTN_WARP_SMEM * warp;
-  bool decoded = warp < GPUOS_ATTN_WARPS && __popc(sh.round0[warp]) > warp && gpuos_attn_known(t);
+  bool decoded = warp < GPUOS_ATTN_WARPS && gpuos_attn_staged(t, sh.round0[warp], warp);
   gpuos_attn_deal(t, sh, [&](int64_t i) {
     gpuos_attn_warp_item<NS, BF16>(t, sh.plan, sh, i, area, decoded);
     decoded = false;
@@ -936,10 +944,9 @@ __device__ __forceinline__ void gpuos_attn_warm_item(const GpuosTask* t, const G
  * All threads call. */
 __device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, GpuosAttnShared& sh) {
   const GpuosAttnPlan& p = sh.plan;
-  const bool known = gpuos_attn_known(t);
   if (!p.warps) {
     const GpuosAttnItem it = gpuos_attn_item(t, p, t->range_begin);
-    if (known && threadIdx.x == 0) sh.item = it;
+    if (gpuos_attn_known(t) && threadIdx.x == 0) sh.item = it;
     if (p.fast) gpuos_attn_warm_item(t, p, it, it.k1 - it.k0, threadIdx.x, blockDim.x);
     return;
   }
@@ -949,7 +956,7 @@ __device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, GpuosAttnSha
   sh.round0[warp] = round0; /* by every lane, so each reads its own store */
   if (__popc(round0) <= warp) return;
   const GpuosAttnItem it = gpuos_attn_item(t, p, t->range_begin + gpuos_nth_bit(round0, warp));
-  if (known && threadIdx.x % GPUOS_WARP == 0)
+  if (gpuos_attn_staged(t, round0, warp) && threadIdx.x % GPUOS_WARP == 0)
     *reinterpret_cast<GpuosAttnItem*>(gpuos_dynamic_smem + GPUOS_ATTN_WARP_SMEM * warp) = it;
   const int keys = min(it.k1 - it.k0, GPUOS_ATTN_ALIGN);
   gpuos_attn_warm_item(t, p, it, max(keys, 0), threadIdx.x % GPUOS_WARP, GPUOS_WARP);

@@ -561,7 +561,10 @@ struct GpuosLinearPipe {
   static constexpr int CHUNKS = KC / 8;                     /* 16-byte chunks of a row */
   static constexpr int W_BYTES = GPUOS_LINEAR_BN * PITCH;
   static constexpr int BYTES = W_BYTES + R * PITCH;
-  static constexpr int ALIGN = WG ? 1024 : 16;              /* of the first stage */
+  /* of the first stage: 1,024 for the swizzle atoms; 128 below 64 rows, because where in a
+   * 128-byte line the stages start changes the k loop's speed by ~6% (bench/NOTES.md, s124-s126)
+   * and the base follows the other operators' static shared memory */
+  static constexpr int ALIGN = WG ? 1024 : 128;
   static constexpr int ROOM = GPUOS_LINEAR_SMEM - (ALIGN - 16); /* past the worst alignment */
   static constexpr int NS = ROOM / BYTES < 6 ? ROOM / BYTES : 6;
   static_assert(CHUNKS >= 8 && NS >= 3, "the swizzle needs 128-byte rows; the wait, 3 stages");
