@@ -7,6 +7,7 @@ offset.
 
 from __future__ import annotations
 
+import ctypes
 import struct
 
 import numpy as np
@@ -99,6 +100,8 @@ TASK_STRUCT = struct.Struct(
     f"<ihhIiqq{MAX_SCALARS}fQ{MAX_WAITS}i{MAX_WAITS}I" + _REF_FORMAT * (1 + MAX_INPUTS)
 )
 assert TASK_STRUCT.size == TASK.itemsize, "TASK_STRUCT must mirror TASK"
+REF_STRUCT = struct.Struct("<" + _REF_FORMAT)  # one TENSOR_REF (an operator's workspace holds some)
+assert REF_STRUCT.size == TENSOR_REF.itemsize, "REF_STRUCT must mirror TENSOR_REF"
 _NO_TENSOR = (0, 0) + (0,) * (2 * MAX_DIMS) + (0, 0)
 _NO_DEPS = (0,) + (NO_EVENT,) * MAX_WAITS + (0,) * MAX_WAITS  # events, wait[], wait_count[]
 
@@ -173,3 +176,21 @@ def ref_shape(ref: np.void) -> tuple[int, ...]:
 def ref_strides(ref: np.void) -> tuple[int, ...]:
     """Strides (in elements) of an encoded tensor."""
     return tuple(int(s) for s in ref["strides"][: int(ref["ndim"])])
+
+
+def encode_ref(tensor: torch.Tensor) -> bytes:
+    """`tensor` as one packed TENSOR_REF (where a workspace carries a tensor beside the inputs)."""
+    return REF_STRUCT.pack(*tensor_fields(tensor))
+
+
+def decode_ref(ref: np.void) -> torch.Tensor:
+    """A tensor viewing the host memory an encoded TensorRef describes (no copy): how the CPU
+    backend reads the tensors of a record."""
+    dtype = CODE_DTYPES[int(ref["dtype"])]
+    shape, strides = ref_shape(ref), ref_strides(ref)
+    if int(ref["numel"]) == 0:
+        return torch.empty(shape, dtype=dtype)
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buf = (ctypes.c_char * (span * itemsize)).from_address(int(ref["data"]))
+    return torch.frombuffer(buf, dtype=dtype, count=span).as_strided(shape, strides)

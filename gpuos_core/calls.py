@@ -54,6 +54,9 @@ class LaidOut:
     items: int  # work items (elements or rows) the task covers
     kind: Tiling  # its operator's family (cuts the items into records)
     inputs_written: tuple[int, ...] = ()  # inputs the operator also writes in place
+    # tensors the operator reads beside its inputs (their refs ride in its workspace): what a
+    # program's data flow must see
+    reads: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)

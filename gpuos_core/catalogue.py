@@ -191,7 +191,8 @@ def _builtin() -> dict[str, OpSpec]:
         _fixed("sum", "sum", 1, 1),
         _fixed("mean", "mean", 1, 1),
         _fixed("rotary", "rotary", 4, 3),  # [, positions]
-        _fixed("attention_decode", "attention_decode", 4, 3, P("scale")),  # [, lengths]
+        # [, lengths[, new_k, new_v]]
+        _fixed("attention_decode", "attention_decode", 6, 3, P("scale")),
         _fixed("scatter_rows", "scatter_rows", 2, 2),
         _fixed("gather_rows", "gather_rows", 2, 2),  # embedding lookups
         _fixed("sample_tokens", "sample_tokens", 3, 3),
@@ -230,6 +231,7 @@ def prepare(
         lay.items,
         spec.kind,
         inputs_written=spec.kind.inputs_written,
+        reads=lay.reads,
     )
 
 

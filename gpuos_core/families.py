@@ -8,14 +8,16 @@ catalogue belongs to exactly one family.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
-from .abi import MAX_DIMS
+from .abi import MAX_DIMS, TENSOR_REF, decode_ref, encode_ref
 from .calls import LaidOut, Params
 from .errors import TensorSpecError
 from .expr import Expr, evaluate
@@ -48,6 +50,7 @@ class Layout:
     ref_shape: tuple[int, ...]  # shape of the encoded output (keepdim layout for reductions)
     items: int  # work items of the whole task
     reduce_dims: tuple[int, ...] = ()  # reductions only
+    reads: tuple[torch.Tensor, ...] = ()  # tensors read through its workspace, not its inputs
 
 
 class Family:
@@ -393,11 +396,14 @@ class RotaryFamily(Family):
 
 class AttentionFamily(Family):
     """Single-query attention decode: per row, softmax(scale · K q) · V over that row's own L keys,
-    or over its first min(lengths[r], L) keys (int32; zeros when <= 0) when lengths is given. The
-    layout adds the lengths (L when none) as input 3, [..., 1], carrying the workspace of an
-    AttentionPlan (cuda/ops/attention.cuh states the encoding); items are the plan's
-    (group, split) pairs. Before its wait, a record warms its first keys and values while q is
-    produced."""
+    or over its first n = min(lengths[r], L) keys (int32; zeros when <= 0) when lengths is given.
+    With new_k and new_v ([..., D] over q's leading dims, after the lengths), each row's key and
+    value at n - 1 (its newest) are read from those instead of K and V, which need not hold them
+    yet: a decode step stores them after the attention, off its path. The layout adds the lengths
+    (L when none) as input 3, [..., 1], carrying the workspace of an AttentionPlan
+    (cuda/ops/attention.cuh states the encoding), which also carries new_k's and new_v's refs;
+    items are the plan's (group, split) pairs. Before its wait, a record warms its first keys
+    and values while q is produced."""
 
     name, header, macro = "attention_decode", "ops/attention.cuh", "GPUOS_DEFINE_ATTENTION_DECODE"
     index_inputs = {3: "lengths"}
@@ -424,20 +430,27 @@ class AttentionFamily(Family):
         else:  # every row attends over all L keys
             lengths = torch.full((), k.shape[-2], dtype=torch.int32, device=q.device).expand(lead)
         views = (q.expand(lead + (d,)), k.expand(kv), v.expand(kv))
+        newest = _newest(inputs[4:], views[1:], lead)
         plan = AttentionPlan.of(*views, lengths)
-        control = _carrying(lengths, plan.workspace(q.device))
-        return Layout(views + (control,), lead + (d,), lead + (d,), plan.items)
+        control = _carrying(lengths, plan.workspace(q.device, newest))
+        return Layout(views + (control,), lead + (d,), lead + (d,), plan.items, reads=newest)
 
     def derived_scalar(self, name: str, inputs: Tensors) -> float | None:
         return 1.0 / math.sqrt(inputs[0].shape[-1]) if name == "scale" else None
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
-        """Over the caller's inputs or the encoded ones (lengths [..., 1] then)."""
+        """Over the caller's inputs or the encoded ones (lengths [..., 1] then, and the newest
+        keys and values after them where the workspace carries some)."""
         q, k, v = xs[:3]
-        scores = torch.einsum("...d,...ld->...l", q, k) * p.scalars[0]
         if len(xs) == 3:
+            scores = torch.einsum("...d,...ld->...l", q, k) * p.scalars[0]
             return torch.einsum("...l,...ld->...d", torch.softmax(scores, dim=-1), v)
         n = xs[3].reshape(xs[3].shape[: q.dim() - 1])  # drops the encoded trailing dim
+        if len(xs) > 4:  # key n - 1 (the last one read) from new_k, its value from new_v
+            last = n.clamp(max=k.shape[-2])[..., None] - 1
+            at = (torch.arange(k.shape[-2], device=k.device) == last)[..., None]
+            k, v = (torch.where(at, new[..., None, :], m) for m, new in zip((k, v), xs[4:]))
+        scores = torch.einsum("...d,...ld->...l", q, k) * p.scalars[0]
         # Keys at or past a row's length are never read (the cache may hold anything there).
         keep = torch.arange(k.shape[-2], device=k.device) < n[..., None]
         probs = torch.softmax(scores.masked_fill(~keep, -math.inf), dim=-1)
@@ -450,6 +463,7 @@ class AttentionFamily(Family):
         """The rows of the groups whose split 0 is among items [begin, end): each row once,
         whichever records the items form (the device combines the splits instead)."""
         rows = AttentionPlan.of(*xs).owned_rows(begin, end)
+        xs = (*xs, *_carried_newest(xs[3]))
         if rows.numel() == 0:
             return
         at = torch.unravel_index(rows, out.shape[:-1])
@@ -934,7 +948,10 @@ ATTENTION_WARPS = 8  # warps of a block that scan keys
 ATTENTION_ALIGN = 16 * ATTENTION_WARPS  # a split's keys come in multiples of this: 16-key tiles
 ATTENTION_ACC = 16  # output accumulators per lane: queries of an item x D / 32
 ATTENTION_MAX_Q = 8  # queries of an item at most
-ATTENTION_HEADER = 8  # workspace words before the counters: G, NQ, C, S, W, then zeros
+# Workspace words before the counters: G, NQ, C, S, W, N (new_k and new_v given), two zeros, then
+# new_k's and new_v's TENSOR_REFs (zeros without them).
+ATTENTION_NEWEST = 8  # the word the refs start at
+ATTENTION_HEADER = ATTENTION_NEWEST + 2 * TENSOR_REF.itemsize // 4
 ATTENTION_ITEMS_PER_SM = 4  # keys are split until the items cover the SMs this many times
 ATTENTION_RECORDS_PER_SM = 4  # records per SM at most
 # Warp mode (a warp an item), for at least a group per SM: splits of at most this many keys (16
@@ -1025,12 +1042,18 @@ class AttentionPlan:
         (50k records in a GPT-2 step of 512 prompt rows) for a slot's worth of keys."""
         return _ceil_div(_sm_count(device), self.readers)
 
-    def workspace(self, device: torch.device) -> torch.Tensor:
-        """Zeroed (the counters must be), after the header the device reads the plan from."""
-        words = torch.zeros(self.workspace_words, dtype=torch.int32, device=device)
-        header = [self.group, self.nq, self.chunk, self.splits, int(self.warps)]
+    def workspace(
+        self, device: torch.device, newest: tuple[torch.Tensor, ...] = ()
+    ) -> torch.Tensor:
+        """Zeroed (the counters must be), after the header the device reads the plan from, with
+        the refs of `newest` (new_k, new_v: _newest) where given."""
+        words = torch.zeros(self.workspace_words, dtype=torch.int32)
+        header = [self.group, self.nq, self.chunk, self.splits, int(self.warps), int(bool(newest))]
         words[: len(header)] = torch.tensor(header, dtype=torch.int32)
-        return words
+        if newest:
+            refs = np.frombuffer(b"".join(encode_ref(x) for x in newest), dtype=np.int32)
+            words[ATTENTION_NEWEST : ATTENTION_NEWEST + refs.size] = torch.from_numpy(refs.copy())
+        return words.to(device)
 
     def owned_rows(self, begin: int, end: int) -> torch.Tensor:
         """The rows of the groups whose split 0 is among items [begin, end), in order: where the
@@ -1041,6 +1064,43 @@ class AttentionPlan:
     def _first_row(self, group: int) -> int:
         period, sub = divmod(group, self.subgroups)
         return min(period * self.group + sub * self.nq, self.rows)
+
+
+def _newest(
+    given: Sequence[torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], lead: tuple[int, ...]
+) -> tuple[torch.Tensor, ...]:
+    """Attention's new_k and new_v (inputs 4 and 5, where given) expanded to q's leading dims
+    `lead` and D, as the workspace carries them; TensorSpecError says what to fix."""
+    if not given:
+        return ()
+    if len(given) != 2:
+        raise TensorSpecError("attention: the newest keys and values come as a pair: new_k, new_v")
+    out = []
+    for name, x, m in zip(("new_k", "new_v"), given, kv):
+        want = lead + m.shape[-1:]
+        if not _broadcasts_to(x.shape, want):
+            raise TensorSpecError(
+                f"attention: {name} must broadcast to q's leading dims and D, {want}, got "
+                f"{tuple(x.shape)}"
+            )
+        if x.dtype != m.dtype or x.stride(-1) != m.stride(-1):
+            raise TensorSpecError(
+                f"attention: {name} must have K's and V's dtype ({m.dtype}) and the stride of "
+                f"their last dim ({m.stride(-1)}), got {x.dtype} and {x.stride(-1)}"
+            )
+        out.append(x.expand(want))
+    return tuple(out)
+
+
+def _carried_newest(control: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """new_k and new_v as the workspace that encoded lengths `control` carries them (host
+    memory: the CPU backend), or () where it carries none."""
+    at = control.stride(-1) * 4  # the workspace's address (_carrying)
+    header = ctypes.string_at(at, 4 * ATTENTION_HEADER)
+    if not int.from_bytes(header[20:24], "little"):
+        return ()
+    refs = np.frombuffer(header[4 * ATTENTION_NEWEST :], dtype=TENSOR_REF)
+    return tuple(decode_ref(ref) for ref in refs)
 
 
 def _carrying(lengths: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:

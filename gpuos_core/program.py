@@ -253,10 +253,15 @@ def data_flow(tasks: Sequence[Prepared]) -> tuple[list[set[int]], list[int]]:
     for i, task in enumerate(tasks):
         writes = [task.out_ref] + [task.inputs[k] for k in task.inputs_written]
         reads = {k: span(x) for k, x in enumerate(task.inputs) if k not in task.inputs_written}
+        beside = [s for s in map(span, task.reads) if s]  # read through its workspace
         wspans = [s for s in map(span, writes) if s]
         producers = {k: seen.conflicts(s, False) if s else set() for k, s in reads.items()}
-        found = set().union(*(seen.conflicts(s, True) for s in wspans), *producers.values())
-        for s in reads.values():
+        found = set().union(
+            *(seen.conflicts(s, True) for s in wspans),
+            *producers.values(),
+            *(seen.conflicts(s, False) for s in beside),
+        )
+        for s in [*reads.values(), *beside]:
             if s:
                 seen.record(s, i, False)
         for s in wspans:

@@ -9,9 +9,11 @@
  *           the caller gave none. Its last dim has size 1, so no element is addressed through its
  *           stride, which instead holds the address of the task's workspace in int32 words (the
  *           ABI has no fifth input). The workspace, int32: GPUOS_ATTN_HEADER words (G, NQ, C, S,
- *           W, then zeros), then one arrival counter per group (zero between tasks: the last
- *           arrival resets it), padded to a multiple of 4 words, then S * groups partials when
- *           S > 1;
+ *           W, N, two zeros, then from word GPUOS_ATTN_NEWEST two GpuosTensorRefs when N != 0:
+ *           new_k and new_v [..., D] over q's leading dims, K's and V's dtype and last stride),
+ *           then one arrival counter per group (zero between tasks: the last arrival resets
+ *           it), padded to a multiple of 4 words, then S * groups partials when S > 1. With N,
+ *           a row's newest key and value (at n - 1) are new_k's and new_v's rows, not K's and V's;
  *   out [..., D]; scalars[0] = scale.
  * Plan: the innermost G rows over which K, V and lengths do not move share one pass over their
  * keys; they form ceil(G / NQ) groups of at most NQ rows (queries). The keys [0, L) are cut into
@@ -65,7 +67,8 @@
 #define GPUOS_ATTN_ALIGN (GPUOS_ATTN_TILE * GPUOS_ATTN_WARPS) /* a split's keys come in these */
 #define GPUOS_ATTN_MAX_Q 8    /* queries of an item: the N of one product */
 #define GPUOS_ATTN_ACC 16     /* output accumulators per lane: NQ * D / 32 */
-#define GPUOS_ATTN_HEADER 8   /* workspace words before the counters (5 used: 16-byte aligned) */
+#define GPUOS_ATTN_NEWEST 8   /* workspace word of new_k's ref (new_v's follows) */
+#define GPUOS_ATTN_HEADER 68  /* workspace words before the counters: the refs' end */
 #define GPUOS_ATTN_VBATCH 8   /* values of this many keys in flight per lane (D >= 128) */
 /* Warp mode: each warp's staging area in gpuos_dynamic_smem, its item then its queries (at most
  * 8 rows of 192 bytes, at D = 64). */
@@ -81,15 +84,21 @@ __host__ __device__ constexpr int gpuos_attn_nq(int ns) {
 }
 
 /* The [L, D] matrix of one row of a [..., L, D] ref: element (l, d) at byte address
- * key(l) + d * dstep. gpuos_seek moves it over the leading dims, numbered like q's rows. */
+ * key(l) + d * dstep, but for key `last`, which sits at `newest` where the task gives its newest
+ * keys apart (GPUOS_ATTN_NEWEST). gpuos_seek moves it over the leading dims, numbered like q's
+ * rows. */
 struct GpuosKeys {
   char* p;
   int64_t lstep;
   int64_t dstep;
   int dtype;
+  int last; /* -1: none */
   const GpuosTensorRef* ref;
+  const char* newest;
 
-  __device__ __forceinline__ const char* key(int64_t l) const { return p + l * lstep; }
+  __device__ __forceinline__ const char* key(int64_t l) const {
+    return l == last ? newest : p + l * lstep;
+  }
   __device__ __forceinline__ void advance(int d, int64_t i) { p += i * gpuos_step(*ref, d); }
 };
 
@@ -99,7 +108,9 @@ __device__ __forceinline__ GpuosKeys gpuos_keys(const GpuosTensorRef& ref) {
   k.lstep = gpuos_step(ref, ref.ndim - 2);
   k.dstep = gpuos_step(ref, ref.ndim - 1);
   k.dtype = ref.dtype;
+  k.last = -1;
   k.ref = &ref;
+  k.newest = nullptr;
   return k;
 }
 
@@ -113,6 +124,7 @@ struct GpuosAttnPlan {
   int chunk, splits;      /* C keys a split, S splits */
   unsigned int* counters; /* a group's arrivals */
   float* parts;           /* partials: (group * S + split) * NQ * (D + 2) floats */
+  const GpuosTensorRef* newest; /* new_k's ref (new_v's follows), or nullptr */
   bool fast;              /* the tensor-core path applies */
   bool warps;             /* warp mode: the host asked for it and it can run */
 };
@@ -165,15 +177,18 @@ __device__ __forceinline__ bool gpuos_attn_rows16(const GpuosTensorRef& r) {
   return ok;
 }
 
-__device__ __forceinline__ bool gpuos_attn_fast(const GpuosTask* t, int d) {
+__device__ __forceinline__ bool gpuos_attn_fast(const GpuosTask* t, int d,
+                                                const GpuosTensorRef* newest) {
   const int dt = t->in[0].dtype;
   const bool half = dt == GPUOS_DTYPE_F16 || dt == GPUOS_DTYPE_BF16;
   const bool same = t->in[1].dtype == dt && t->in[2].dtype == dt;
   const bool dims = d == 32 || d == 64 || d == 128 || d == 256;
   const bool smem = gpuos_dynamic_smem_bytes() >=
                     GPUOS_ATTN_WARPS * (GPUOS_ATTN_WARP_SMEM + GPUOS_ATTN_OUT_SMEM);
-  return GPUOS_SM80 && half && same && dims && smem && gpuos_attn_rows16(t->in[1]) &&
-         gpuos_attn_rows16(t->in[2]);
+  const bool apart = newest == nullptr ||
+                     (gpuos_attn_rows16(newest[0]) && gpuos_attn_rows16(newest[1]));
+  const bool rows = gpuos_attn_rows16(t->in[1]) && gpuos_attn_rows16(t->in[2]) && apart;
+  return GPUOS_SM80 && half && same && dims && smem && rows;
 }
 
 __device__ __forceinline__ GpuosAttnPlan gpuos_attn_plan(const GpuosTask* t) {
@@ -192,13 +207,19 @@ __device__ __forceinline__ GpuosAttnPlan gpuos_attn_plan(const GpuosTask* t) {
   const unsigned int groups = static_cast<unsigned int>(p.rows) / p.group * p.subgroups;
   p.counters = reinterpret_cast<unsigned int*>(const_cast<char*>(ws)) + GPUOS_ATTN_HEADER;
   p.parts = reinterpret_cast<float*>(p.counters + gpuos_linear_counters(groups));
-  p.fast = gpuos_attn_fast(t, p.d);
+  p.newest = gpuos_load_i32(ws + 20) == 0
+                 ? nullptr
+                 : reinterpret_cast<const GpuosTensorRef*>(ws + 4 * GPUOS_ATTN_NEWEST);
+  p.fast = gpuos_attn_fast(t, p.d, p.newest);
   p.warps = gpuos_load_i32(ws + 16) != 0 && p.fast; /* its staging areas: fast checked them */
   return p;
 }
 
+/* Item i; with `newest`, also where its rows' newest key and value sit when the task gives them
+ * apart (a deal that only asks whether items are busy needs not seek them). */
 __device__ __forceinline__ GpuosAttnItem gpuos_attn_item(const GpuosTask* t,
-                                                         const GpuosAttnPlan& p, int64_t i) {
+                                                         const GpuosAttnPlan& p, int64_t i,
+                                                         bool newest = true) {
   const unsigned int u = static_cast<unsigned int>(i); /* 32-bit division: no call */
   GpuosAttnItem it;
   it.group = static_cast<int>(u / p.splits);
@@ -211,6 +232,12 @@ __device__ __forceinline__ GpuosAttnItem gpuos_attn_item(const GpuosTask* t,
   GpuosRow len = gpuos_vector(t->in[3]);
   gpuos_seek(t->in[0], p.lead, it.row0, it.k, it.v, len);
   const int n = min(gpuos_load_i32(len.p), p.keys);
+  if (newest && p.newest != nullptr) { /* its newest key and value from new_k and new_v */
+    GpuosRow nk = gpuos_vector(p.newest[0]), nv = gpuos_vector(p.newest[1]);
+    gpuos_seek(t->in[0], p.lead, it.row0, nk, nv);
+    it.k.newest = nk.p, it.v.newest = nv.p;
+    it.k.last = it.v.last = n - 1;
+  }
   it.active = n <= 0 ? 0 : (n + p.chunk - 1) / p.chunk;
   it.k0 = it.split * p.chunk;
   it.k1 = min(it.k0 + p.chunk, n);
@@ -810,7 +837,7 @@ __device__ __forceinline__ int gpuos_nth_bit(unsigned int mask, int k) {
 __device__ __forceinline__ unsigned int gpuos_attn_busy_round(const GpuosTask* t,
                                                              const GpuosAttnPlan& p, int64_t r0) {
   const int64_t i = r0 + threadIdx.x % GPUOS_WARP;
-  const bool busy = i < t->range_end && gpuos_attn_busy(gpuos_attn_item(t, p, i));
+  const bool busy = i < t->range_end && gpuos_attn_busy(gpuos_attn_item(t, p, i, false));
   return __ballot_sync(GPUOS_ALL_LANES, busy);
 }
 
@@ -930,8 +957,9 @@ __device__ __forceinline__ void gpuos_attn_warm_item(const GpuosTask* t, const G
   GPUOS_ROLLED
   for (int i = first; i < lines; i += stride) {
     const int key = it.k0 + i / (2 * row_lines), part = i % (2 * row_lines);
-    const GpuosKeys& m = part < row_lines ? it.k : it.v;
-    gpuos_prefetch_line(m.key(key) + 128 * (part % row_lines));
+    /* the rows chosen by value: a reference to it.k or it.v would keep the item in memory */
+    const char* row = part < row_lines ? it.k.key(key) : it.v.key(key);
+    gpuos_prefetch_line(row + 128 * (part % row_lines));
   }
 }
 
@@ -944,9 +972,10 @@ __device__ __forceinline__ void gpuos_attn_warm_item(const GpuosTask* t, const G
  * All threads call. */
 __device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, GpuosAttnShared& sh) {
   const GpuosAttnPlan& p = sh.plan;
+  const bool known = gpuos_attn_known(t);
   if (!p.warps) {
-    const GpuosAttnItem it = gpuos_attn_item(t, p, t->range_begin);
-    if (gpuos_attn_known(t) && threadIdx.x == 0) sh.item = it;
+    const GpuosAttnItem it = gpuos_attn_item(t, p, t->range_begin, known);
+    if (known && threadIdx.x == 0) sh.item = it;
     if (p.fast) gpuos_attn_warm_item(t, p, it, it.k1 - it.k0, threadIdx.x, blockDim.x);
     return;
   }
@@ -955,7 +984,8 @@ __device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, GpuosAttnSha
   const unsigned int round0 = gpuos_attn_busy_round(t, p, t->range_begin);
   sh.round0[warp] = round0; /* by every lane, so each reads its own store */
   if (__popc(round0) <= warp) return;
-  const GpuosAttnItem it = gpuos_attn_item(t, p, t->range_begin + gpuos_nth_bit(round0, warp));
+  const int64_t i = t->range_begin + gpuos_nth_bit(round0, warp);
+  const GpuosAttnItem it = gpuos_attn_item(t, p, i, known);
   if (gpuos_attn_staged(t, round0, warp) && threadIdx.x % GPUOS_WARP == 0)
     *reinterpret_cast<GpuosAttnItem*>(gpuos_dynamic_smem + GPUOS_ATTN_WARP_SMEM * warp) = it;
   const int keys = min(it.k1 - it.k0, GPUOS_ATTN_ALIGN);

@@ -8,14 +8,13 @@ so submission is asynchronous exactly as on the GPU.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 
 import numpy as np
 import torch
 
-from ..abi import CODE_DTYPES, NO_EVENT, OP_NOP, ref_shape, ref_strides
+from ..abi import NO_EVENT, OP_NOP, decode_ref
 from ..batch import Batch
 from ..calls import Params
 from ..optable import Image
@@ -23,18 +22,6 @@ from ..threads import daemon
 from .base import Backend
 
 log = logging.getLogger("gpuos.cpu")
-
-
-def decode(ref: np.void) -> torch.Tensor:
-    """A tensor viewing the memory an encoded TensorRef describes (no copy)."""
-    dtype = CODE_DTYPES[int(ref["dtype"])]
-    shape, strides = ref_shape(ref), ref_strides(ref)
-    if int(ref["numel"]) == 0:
-        return torch.empty(shape, dtype=dtype)
-    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    buf = (ctypes.c_char * (span * itemsize)).from_address(int(ref["data"]))
-    return torch.frombuffer(buf, dtype=dtype, count=span).as_strided(shape, strides)
 
 
 def _check_waits(record: np.void, counters: np.ndarray | None) -> None:
@@ -91,12 +78,12 @@ class CpuBackend(Backend):
     def _execute(self, record: np.void) -> None:
         spec = self._slots[int(record["op_slot"])].spec
         n = int(record["num_inputs"])
-        xs = [decode(record["in"][k]) for k in range(n)]
+        xs = [decode_ref(record["in"][k]) for k in range(n)]
         mask = int(record["reduce_mask"])
         dims = tuple(d for d in range(xs[0].dim() if xs else 0) if mask >> d & 1)
         params = Params(tuple(float(s) for s in record["scalars"][: len(spec.scalars)]), dims)
         spec.kind.execute(
-            decode(record["out"]),
+            decode_ref(record["out"]),
             xs,
             params,
             spec.expression,

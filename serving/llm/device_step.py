@@ -281,6 +281,8 @@ class ProgramOps:
         # (task, operand, group): operands that view KV slot 0 in the records, where each step
         # binds the slot of the group's span (Program.binding)
         self.kv_uses: list[tuple[int, int, int]] = []
+        self.stores: list[int] = []  # the tasks that store the rows' keys and values
+        self._late: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # stores after the head
         sampled, clock = feed
         self.tokens = self._add("feed_tokens", inputs["tokens"], sampled, clock, inputs["expect"])
 
@@ -332,18 +334,21 @@ class ProgramOps:
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        for new, cache in ((k, self.pool.keys[layer]), (v, self.pool.values[layer])):
-            # views, never copies: the program reads these tensors' memory at every run
-            self._add(
-                "scatter_rows",
-                new.view(new.shape[0], -1),
-                self.inputs["kv_rows"],
-                out=cache.view(-1, new.shape[1] * new.shape[2]),
-            )
+        # The decode rows read their newest key and value from k and v themselves, so where no
+        # longer span (whose attention reads its keys from the cache) is in the step, the keys
+        # and values are stored after the LM head (`logits`): off the step's path, and past
+        # the layers' records in claim order, where a store waiting for its attention would
+        # hold a block that the next stage's records want (the tick waits for the stores, so
+        # the next step sees them).
+        if self.layout.groups:
+            self._store(layer, k, v)
+        else:
+            self._late.append((layer, k, v))
         out = self.build.empty(tuple(q.shape), q.dtype)
         first = self.layout.decode
         if first:
-            self._attend(layer, q, out, slice(0, first), slice(0, first))
+            newest = (k[:first], v[:first])
+            self._attend(layer, q, out, slice(0, first), slice(0, first), newest)
         for group in range(self.layout.groups):
             task = len(self.build)
             rows = slice(first, first + GROUP_ROWS)
@@ -352,11 +357,30 @@ class ProgramOps:
             first += GROUP_ROWS
         return out
 
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The rows' k and v [N, kv_heads, d] into the cache at their KV rows."""
+        for new, cache in ((k, self.pool.keys[layer]), (v, self.pool.values[layer])):
+            self.stores.append(len(self.build))
+            # views, never copies: the program reads these tensors' memory at every run
+            self._add(
+                "scatter_rows",
+                new.view(new.shape[0], -1),
+                self.inputs["kv_rows"],
+                out=cache.view(-1, new.shape[1] * new.shape[2]),
+            )
+
     def _attend(
-        self, layer: int, q: torch.Tensor, out: torch.Tensor, rows: slice, slots: slice
+        self,
+        layer: int,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        rows: slice,
+        slots: slice,
+        newest: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Attention of q's `rows` over the keys of KV `slots` (one slot per row, or one slot
-        that every row reads), each row over its own length."""
+        that every row reads), each row over its own length; its newest key and value from
+        `newest` (the rows' k and v [n, kv_heads, d]) where given."""
         c = self.config
         group, n = c.heads // c.kv_heads, rows.stop - rows.start
         heads = (n, c.kv_heads, group, c.head_dim)
@@ -366,6 +390,8 @@ class ProgramOps:
             view = cache[slots].permute(0, 2, 1, 3)[:, :, None]
             return view.expand(n, c.kv_heads, group, *view.shape[-2:])
 
+        # [n, kv, d] -> [n, kv, group, d]
+        rows_of = [x[:, :, None].expand(heads) for x in newest or ()]
         lengths = self.inputs["lengths"][rows].view(n, 1, 1)
         self.build.add(
             OpCall(
@@ -375,6 +401,7 @@ class ProgramOps:
                     kv(self.pool.keys[layer]),
                     kv(self.pool.values[layer]),
                     lengths,
+                    *rows_of,
                 ),
                 out=out[rows].view(heads),
                 scalars={"scale": 1 / math.sqrt(c.head_dim)},
@@ -392,7 +419,10 @@ class ProgramOps:
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         picked = self._add("gather_rows", h, self.inputs["picks"])
         out = self.build.empty((self.layout.picks, head.shape[0]), torch.float32)
-        return self._add("linear", picked, head, out=out)
+        logits = self._add("linear", picked, head, out=out)
+        for stored in self._late:
+            self._store(*stored)
+        return logits
 
 
 @dataclass(frozen=True)
@@ -444,7 +474,7 @@ class StepProgram:
         tokens = ops.build.add(OpCall("sample_tokens", inputs, out=out))
         sums = self.readback[1, : layout.picks].view(torch.float32)
         ops.build.add(OpCall("sum", (self.logits,), out=sums, dims=(1,)))
-        ops.build.add(OpCall("tick", (tokens,), out=chain.clock))
+        ops.build.add(OpCall("tick", (tokens,), out=chain.clock), after=ops.stores)
         self.program: Program = ops.build.build()
         self.layout, self.max_len = layout, pool.max_len
         # A group's KV views sit at slot 0 in the records: binding "address" s * slot_bytes

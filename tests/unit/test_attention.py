@@ -16,6 +16,7 @@ from test_catalogue import DTYPES
 from test_index_ops import assert_close, ints, randn, run, sliced_attention
 
 from gpuos_core import OpCall, Runtime, families as fam
+from gpuos_core.errors import TensorSpecError
 from gpuos_core.families import AttentionPlan
 from gpuos_core.paths import CUDA_DIR
 
@@ -95,6 +96,43 @@ def test_one_long_row_and_64_short_rows(rt: Runtime, dtype: torch.dtype) -> None
     check_decode(rt, [4096], 8, 4, 128, dtype, seed=1)  # one request: its keys split many ways
     rng = random.Random(64)
     check_decode(rt, [rng.randint(1, 64) for _ in range(64)], 4, 2, 64, dtype, seed=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 80])  # 80: the CUDA-core path
+def test_the_newest_keys_and_values_come_from_new_k_and_new_v(
+    rt: Runtime, dtype: torch.dtype, d: int
+) -> None:
+    """The decode step's order: each row's newest key and value (at its length - 1) are read
+    from the projection's rows, while the cache does not hold them yet (NaN there)."""
+    lengths = [1, 130, 7, 0, 300, 2000]  # past the cache too: its last key is the newest
+    k, v = cache(rt, 6, 2, 300, d, dtype, lengths, seed=5)
+    q = randn(rt, (6, 2, 4, d), dtype, 7)
+    new_k, new_v = (randn(rt, (6, 2, d), dtype, 8 + i) for i in range(2))
+    full_k, full_v = k.clone(), v.clone()
+    for b, n in enumerate(lengths):
+        if n > 0:
+            last = min(n, 300) - 1
+            full_k[b, :, last], full_v[b, :, last] = new_k[b], new_v[b]
+            k[b, :, last], v[b, :, last] = float("nan"), float("nan")
+    n = ints(rt, lengths)
+    newest = (new_k[:, :, None], new_v[:, :, None])
+    call = decode_call(q, k, v, n)
+    out = run(rt, OpCall(call.op, (*call.inputs, *newest)))
+    assert_close(out, sliced_attention(q, full_k, full_v, n))
+
+
+def test_newest_keys_that_do_not_fit_the_cache_are_refused(rt: Runtime) -> None:
+    k, v = cache(rt, 2, 1, 16, 64, torch.float16, [16, 16], 1)
+    q = randn(rt, (2, 1, 1, 64), torch.float16, 2)
+    call = decode_call(q, k, v, ints(rt, [3, 16]))
+    new = randn(rt, (2, 1, 1, 64), torch.float16, 3)
+    with pytest.raises(TensorSpecError, match="pair"):
+        rt.prepare(OpCall(call.op, (*call.inputs, new)))
+    with pytest.raises(TensorSpecError, match="dtype"):
+        rt.prepare(OpCall(call.op, (*call.inputs, new.float(), new)))
+    with pytest.raises(TensorSpecError, match="broadcast"):
+        rt.prepare(OpCall(call.op, (*call.inputs, new[..., :32], new)))
 
 
 def test_lengths_zero_negative_and_past_the_cache_with_grouped_heads(rt: Runtime) -> None:
@@ -279,4 +317,4 @@ def test_the_encoded_lengths_carry_the_workspace(rt: Runtime) -> None:
     plan = AttentionPlan.of(*task.inputs)
     assert workspace.numel() == plan.workspace_words
     header = [plan.group, plan.nq, plan.chunk, plan.splits, plan.warps]
-    assert workspace[: fam.ATTENTION_HEADER].tolist() == header + [0, 0, 0]
+    assert workspace[: fam.ATTENTION_HEADER].tolist() == header + [0] * (fam.ATTENTION_HEADER - 5)

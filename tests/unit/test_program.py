@@ -243,6 +243,30 @@ def test_edges_follow_data_flow_and_drop_implied_ones() -> None:
         torch.testing.assert_close(a, -x)  # the overwrite ran after every reader of a
 
 
+def test_a_task_follows_the_writers_of_the_tensors_its_workspace_carries() -> None:
+    """Attention reads its newest keys and values through its workspace, not its inputs: it
+    still runs after the tasks that write them."""
+    with Runtime("cpu") as rt:
+        q, rows = torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8)
+        k = torch.randn(2, 1, 1, 5, 8)
+        lengths = torch.tensor([3, 5], dtype=torch.int32).view(2, 1, 1)
+        build = rt.program()
+        new_k = build.add(OpCall("neg", (rows,)))  # 0
+        new_v = build.add(OpCall("relu", (rows,)))  # 1
+        out = build.add(OpCall("attention_decode", (q, k, k, lengths, new_k, new_v)))  # 2
+        program = build.build()
+        assert program.deps[2] == (0, 1)
+        rt.submit(program).wait(10)
+        full_k, full_v = k.clone(), k.clone()
+        for b, n in enumerate((3, 5)):
+            full_k[b, :, :, n - 1], full_v[b, :, :, n - 1] = -rows[b], rows[b].relu()
+        want = [
+            torch.softmax(full_k[b, 0, 0, :n] @ q[b, 0, 0] / 8**0.5, 0) @ full_v[b, 0, 0, :n]
+            for b, n in enumerate((3, 5))
+        ]
+        torch.testing.assert_close(out[:, 0, 0], torch.stack(want))
+
+
 def test_a_task_with_more_producers_than_waits_gets_join_records(rt: Runtime) -> None:
     x = torch.randn(64, 64).to(rt.device)
     build = rt.program()
