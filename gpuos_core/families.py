@@ -463,9 +463,9 @@ class AttentionFamily(Family):
         """The rows of the groups whose split 0 is among items [begin, end): each row once,
         whichever records the items form (the device combines the splits instead)."""
         rows = AttentionPlan.of(*xs).owned_rows(begin, end)
-        xs = (*xs, *_carried_newest(xs[3]))
         if rows.numel() == 0:
             return
+        xs = (*xs, *_carried_newest(xs[3]))
         at = torch.unravel_index(rows, out.shape[:-1])
         picked = [x[at].float() if x.is_floating_point() else x[at] for x in xs]
         out[at] = self.compute(picked, p, expr).to(out.dtype)
