@@ -1047,13 +1047,17 @@ class AttentionPlan:
     ) -> torch.Tensor:
         """Zeroed (the counters must be), after the header the device reads the plan from, with
         the refs of `newest` (new_k, new_v: _newest) where given."""
-        words = torch.zeros(self.workspace_words, dtype=torch.int32)
-        header = [self.group, self.nq, self.chunk, self.splits, int(self.warps), int(bool(newest))]
-        words[: len(header)] = torch.tensor(header, dtype=torch.int32)
+        # zeroed where it lives (counters and partials can be megabytes), the header built on
+        # the host and copied once
+        words = torch.zeros(self.workspace_words, dtype=torch.int32, device=device)
+        header = np.zeros(ATTENTION_HEADER, dtype=np.int32)
+        fields = (self.group, self.nq, self.chunk, self.splits, int(self.warps), int(bool(newest)))
+        header[: len(fields)] = fields
         if newest:
             refs = np.frombuffer(b"".join(encode_ref(x) for x in newest), dtype=np.int32)
-            words[ATTENTION_NEWEST : ATTENTION_NEWEST + refs.size] = torch.from_numpy(refs.copy())
-        return words.to(device)
+            header[ATTENTION_NEWEST : ATTENTION_NEWEST + refs.size] = refs
+        words[:ATTENTION_HEADER] = torch.from_numpy(header)
+        return words
 
     def owned_rows(self, begin: int, end: int) -> torch.Tensor:
         """The rows of the groups whose split 0 is among items [begin, end), in order: where the
