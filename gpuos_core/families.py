@@ -109,7 +109,7 @@ class Family:
         input), fewer when that leaves multiprocessors idle (down to MIN_RECORD_ELEMENTS).
         Families whose kernels need a plan of their own override it."""
         total = max(x.numel() for x in task.inputs)
-        spread = -(-total // _sm_count(task.inputs[0].device))
+        spread = -(-total // sm_count(task.inputs[0].device))
         tile = min(tile_elements, max(MIN_RECORD_ELEMENTS, spread))
         per = max(1, total // max(task.items, 1))
         # A tile that spreads the task over the SMs takes whole items rounded up: one wave of
@@ -137,7 +137,7 @@ def _side_by_side(task: LaidOut) -> list[tuple[int, int]]:
     items that a block takes each, a record's time their latency more than their bytes (cut by
     elements, a step's 8 rows of 256 logits were 2 records that took 4 rows one after the
     other: 15-16 us, where a record of one row took 6-8)."""
-    return _even(task.items, _sm_count(task.inputs[0].device))
+    return _even(task.items, sm_count(task.inputs[0].device))
 
 
 def write_items(
@@ -543,7 +543,7 @@ class ScatterRowsFamily(Family):
         step = 1
         if task.items > SCATTER_SPREAD:
             fits = max(1, tile_elements // max(1, task.inputs[0].shape[-1]))
-            spread = -(-task.items // _sm_count(task.inputs[0].device))
+            spread = -(-task.items // sm_count(task.inputs[0].device))
             step = min(max(SCATTER_RECORD_ROWS, spread), fits)
         return _stepped(task.items, step)
 
@@ -733,7 +733,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device: the worker runs a block on each."""
     if device.type != "cuda":
         return DEFAULT_SMS
@@ -891,7 +891,7 @@ class LinearFamily(Family):
                 f"{', '.join(str(t.dtype) for t in inputs)}"
             )
         m, n, k = _rows(x.shape), w.shape[0], x.shape[-1]
-        plan = LinearPlan.choose(m, n, k, _sm_count(x.device), self.parts)
+        plan = LinearPlan.choose(m, n, k, sm_count(x.device), self.parts)
         if self.parts:
             workspace = torch.empty((plan.splits, 0), dtype=torch.int32, device=x.device)
         else:
@@ -922,7 +922,7 @@ class LinearFamily(Family):
         if len(xs) > 3:
             return LinearPlan.of(x, w, xs[3])
         return LinearPlan.choose(
-            _rows(x.shape), w.shape[0], x.shape[-1], _sm_count(x.device), self.parts
+            _rows(x.shape), w.shape[0], x.shape[-1], sm_count(x.device), self.parts
         )
 
     def execute(
@@ -1040,7 +1040,7 @@ class AttentionPlan:
         groups read one K and V. A prefill step has a task per chunk of a prompt, each reading
         its one slot's keys: cut for the whole machine, every chunk's task took a record per SM
         (50k records in a GPT-2 step of 512 prompt rows) for a slot's worth of keys."""
-        return _ceil_div(_sm_count(device), self.readers)
+        return _ceil_div(sm_count(device), self.readers)
 
     def workspace(
         self, device: torch.device, newest: tuple[torch.Tensor, ...] = ()

@@ -253,7 +253,7 @@ def test_a_prefill_chunk_reading_one_slot_is_cut_for_its_share_of_the_sms(rt: Ru
     own = torch.zeros(rows, heads, 1, keys, d, device=rt.device)
     slot = own[:1].expand(rows, heads, 1, keys, d)
     lengths = ints(rt, list(range(1, rows + 1))).view(rows, 1, 1)
-    every, sms = lengths.expand(rows, heads, 1), fam._sm_count(q.device)
+    every, sms = lengths.expand(rows, heads, 1), fam.sm_count(q.device)
     chunk = AttentionPlan.of(q, slot, slot, every)
     assert (chunk.readers, chunk.sms(q.device)) == (16, -(-sms // 16))
     assert AttentionPlan.of(q, own, own, every).sms(q.device) == sms

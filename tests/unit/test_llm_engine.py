@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from gpuos_core import Runtime
+from gpuos_core.families import sm_count
 from serving.llm import ByteTokenizer, Model, create_tiny_model, forward_tokens, load_model
-from serving.llm.device_step import Layout, fusable
+from serving.llm.device_step import GROUP_ROWS, LANE_ROWS, Layout, fusable, lanes_of
 from serving.llm.engine import (
     Delta,
     Engine,
@@ -131,6 +132,33 @@ def test_engine_logits_equal_transformers(model_dir: Path, runtime: Runtime) -> 
             torch.testing.assert_close(torch.stack(logits), expected, rtol=1e-4, atol=1e-4)
     finally:
         engine.close()
+
+
+def test_decode_rows_in_lanes_give_the_reference_logits(model_dir: Path, runtime: Runtime) -> None:
+    """A decode step of 2 LANE_ROWS rows runs as two lanes (each operator once per half of its
+    rows, interleaved): every request's logits still equal the reference forward's."""
+    rows = 2 * LANE_ROWS
+    model = device_model(model_dir, runtime)
+    assert len(lanes_of(Layout(rows, 0), model, sm_count(runtime.device))) == 2
+    engine = start(model, runtime, max_running=rows, max_step_tokens=4 * rows)
+    try:
+        batch = prompts([1 + i % 7 for i in range(rows)], seed=5)
+        for prompt, (generated, logits) in zip(batch, run_together(engine, batch, GREEDY)):
+            expected = reference_logits(model, prompt, generated)
+            torch.testing.assert_close(torch.stack(logits), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        engine.close()
+
+
+def test_a_step_runs_in_one_lane_where_lanes_would_crowd_the_worker(model_dir: Path) -> None:
+    """Lanes only where each lane's widest linear still has a block per tile, each lane has
+    LANE_ROWS rows, and the step has no prefill span: otherwise a step is one lane."""
+    model = load_model(model_dir)
+    rows = 2 * LANE_ROWS
+    assert lanes_of(Layout(rows, 0), model, 132) == (slice(0, LANE_ROWS), slice(LANE_ROWS, rows))
+    assert lanes_of(Layout(rows, 0), model, 1) == (slice(0, rows),)
+    assert lanes_of(Layout(rows - 1, 0), model, 132) == (slice(0, rows - 1),)
+    assert lanes_of(Layout(rows, 1), model, 132) == (slice(0, rows + GROUP_ROWS),)
 
 
 def test_decode_programs_are_built_at_start(model_dir: Path, runtime: Runtime) -> None:
