@@ -800,11 +800,18 @@ class LinearPlan:
         """The split of K that should finish soonest on `sms` multiprocessors (a block each): enough
         items to occupy them, against the cost of writing and summing partials. `parts`: for
         linear_parts (at most LINEAR_MAX_PARTS splits, which its consumer sums)."""
-        steps = _ceil_div(k, LINEAR_KSTEP)
         most = LINEAR_MAX_PARTS if parts else LINEAR_MAX_SPLITS
-        plans = [cls(m, n, k, s, parts) for s in range(1, min(steps, most) + 1)]
-        valid = [p for p in plans if p.splits == 1 or _ceil_div(steps, p.kch) == p.splits]
+        plans = [cls(m, n, k, s, parts) for s in range(1, most + 1)]
+        valid = [p for p in plans if p.whole]
         return min(valid or [cls(m, n, k, 1, parts)], key=lambda p: (p._cost(sms), p.splits))
+
+    @property
+    def whole(self) -> bool:
+        """Whether every split has steps of K (one split always does)."""
+        steps = _ceil_div(self.k, LINEAR_KSTEP)
+        return (
+            self.splits == 1 or self.splits <= steps and _ceil_div(steps, self.kch) == self.splits
+        )
 
     def _cost(self, sms: int) -> float:
         """Time in steps of one tile (4 KB of weights): the busiest block's items (each also
@@ -900,6 +907,30 @@ class LinearFamily(Family):
         views = (x, w, bias if bias is not None else x.new_empty(0), workspace)
         shape = ((plan.splits,) if self.parts else ()) + tuple(x.shape[:-1]) + (n,)
         return Layout(views, shape, shape, plan.items)
+
+    def fit_out(self, lay: Layout, out: torch.Tensor | None) -> Layout:
+        """In parts mode an `out` given states the split count, its first dim (a caller whose
+        task runs beside others plans its splits for its share of the multiprocessors with
+        LinearPlan.choose); it must split K into that many non-empty ranges."""
+        if not self.parts or out is None or out.dim() == 0 or out.shape[0] == lay.out_shape[0]:
+            return lay
+        x, w = lay.inputs[0], lay.inputs[1]
+        plan = replace(LinearPlan.of(x, w, lay.inputs[3]), splits=out.shape[0])
+        counts = [s for s in range(1, LINEAR_MAX_PARTS + 1) if replace(plan, splits=s).whole]
+        if plan.splits not in counts:
+            raise TensorSpecError(
+                f"linear_parts: out's first dim is its count of K splits, each with some of K "
+                f"({plan.k}): one of {', '.join(map(str, counts))}; got {plan.splits}"
+            )
+        workspace = torch.empty((plan.splits, 0), dtype=torch.int32, device=x.device)
+        shape = (plan.splits, *lay.out_shape[1:])
+        return replace(
+            lay,
+            inputs=(*lay.inputs[:3], workspace),
+            out_shape=shape,
+            ref_shape=shape,
+            items=plan.items,
+        )
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
         x, w = xs[0], xs[1]

@@ -162,15 +162,41 @@ def test_linear_parts_are_the_sums_of_the_k_splits(rt: Runtime, dtype: torch.dty
         encode_task(records, ranges, task.out_ref, task.inputs, task.params.scalars)
         task = replace(task, records=records)
         for _ in range(2):  # a rerun writes the same parts
-            task.out.fill_(float("nan"))
-            rt.submit([task]).wait(30)
-            xd, wd = x.double(), w.double()
-            for s, (k0, k1) in enumerate(plan.bounds):
-                ref = F.linear(xd[:, k0:k1], wd[:, k0:k1], bias.double() if s == 0 else None)
-                err = rel_error(task.out[s], ref)
-                assert err < TOLERANCE[torch.float32], f"part {s} of {m} x {k} x {n}: {err:.2e}"
-            err = rel_error(task.out.double().sum(0), F.linear(xd, wd, bias.double()))
-            assert err < TOLERANCE[torch.float32], f"sum of {m} x {k} x {n}: {err:.2e}"
+            check_parts(rt, task, plan)
+
+
+def check_parts(rt: Runtime, task: Prepared, plan: LinearPlan) -> None:
+    """Run linear_parts `task` alone: each part is the product over its split's k range of
+    `plan` (the bias in part 0's), and they sum to the linear."""
+    task.out.fill_(float("nan"))
+    rt.submit([task]).wait(30)
+    x, w, bias = (t.double() for t in task.inputs[:3])
+    what = f"{plan.m} x {plan.k} x {plan.n} in {plan.splits}"
+    for s, (k0, k1) in enumerate(plan.bounds):
+        ref = F.linear(x[:, k0:k1], w[:, k0:k1], bias if s == 0 else None)
+        err = rel_error(task.out[s], ref)
+        assert err < TOLERANCE[torch.float32], f"part {s} of {what}: {err:.2e}"
+    err = rel_error(task.out.double().sum(0), F.linear(x, w, bias))
+    assert err < TOLERANCE[torch.float32], f"sum of {what}: {err:.2e}"
+
+
+@pytest.mark.parametrize("splits", [1, 2, 6])
+def test_linear_parts_take_the_split_count_of_the_out_given(rt: Runtime, splits: int) -> None:
+    """An out of [S, M, N] states linear_parts' count of K splits (a task that runs beside
+    others plans its splits for its share of the SMs): its parts are those of S splits."""
+    m, k, n = 40, 3072, 130
+    x, w = randn(rt, (m, k), torch.float16, 1), randn(rt, (n, k), torch.float16, 2)
+    bias = randn(rt, (n,), torch.float16, 3)
+    out = torch.empty((splits, m, n), dtype=torch.float32, device=rt.device)
+    task = rt.prepare(OpCall("linear_parts", (x, w, bias), out=out))
+    plan = LinearPlan.of(*task.inputs[:2], task.inputs[3])
+    assert plan.splits == splits and task.out.data_ptr() == out.data_ptr()
+    check_parts(rt, task, plan)
+    # 3072 is 96 steps of 32: 5 splits would leave the fifth empty, 7 are more than a norm sums
+    for count in (5, LINEAR_MAX_PARTS + 1):
+        bad = torch.empty((count, m, n), dtype=torch.float32, device=rt.device)
+        with pytest.raises(TensorSpecError, match=r"count of K splits.*one of 1, 2, 3, 4, 6;"):
+            rt.prepare(OpCall("linear_parts", (x, w, bias), out=bad))
 
 
 def test_many_tasks_in_one_submission(rt: Runtime) -> None:
