@@ -48,7 +48,7 @@ from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
 
 IDLE = -1  # token, position and KV row of an idle row (gather_rows yields zeros, scatter skips)
 GROUP_ROWS = 16  # rows of a group: a longer span takes ceil(n / GROUP_ROWS) of them
-LANE_ROWS = 32  # rows of a lane, at least (lanes_of)
+LANE_ROWS = 16  # rows of a lane, at least (lanes_of)
 LANES = 2  # lanes of a step, at most
 
 
