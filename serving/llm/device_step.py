@@ -359,8 +359,8 @@ class ProgramOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # the projection's K splits are summed by the norm as it adds them: no combine stage;
         # each lane's splits are a tensor of their own, as many as its share of the SMs keeps
-        # busy (GPT-2's down projection at 64 rows: two lanes of 72 records were claimed late;
-        # of 48, the step 4.5% shorter)
+        # busy (GPT-2's down projection at 64 rows: 72 records a lane, planned for the whole
+        # worker, were claimed late; 48 a lane made the step 3.5% shorter)
         n, k = linear.weight.shape
         share = self.sms // len(self.lanes)
         parts = {}
