@@ -789,6 +789,16 @@ class LinearPlan:
             return 0
         return self.counters + self.splits * self.tiles * self.prows * LINEAR_COLS
 
+    def workspace(self, device: torch.device) -> torch.Tensor:
+        """Input 3 as the device reads the plan from it: an empty [splits, 0] in parts mode,
+        else the split-K workspace with its counters zeroed (partials are written before they
+        are read)."""
+        if self.parts:
+            return torch.empty((self.splits, 0), dtype=torch.int32, device=device)
+        words = torch.empty(self.workspace_words, dtype=torch.int32, device=device)
+        words[: self.counters].zero_()
+        return words
+
     @property
     def bounds(self) -> list[tuple[int, int]]:
         """The k range [k0, k1) of each split."""
@@ -899,12 +909,7 @@ class LinearFamily(Family):
             )
         m, n, k = _rows(x.shape), w.shape[0], x.shape[-1]
         plan = LinearPlan.choose(m, n, k, sm_count(x.device), self.parts)
-        if self.parts:
-            workspace = torch.empty((plan.splits, 0), dtype=torch.int32, device=x.device)
-        else:
-            workspace = torch.empty(plan.workspace_words, dtype=torch.int32, device=x.device)
-            workspace[: plan.counters].zero_()  # partials are written before they are read
-        views = (x, w, bias if bias is not None else x.new_empty(0), workspace)
+        views = (x, w, bias if bias is not None else x.new_empty(0), plan.workspace(x.device))
         shape = ((plan.splits,) if self.parts else ()) + tuple(x.shape[:-1]) + (n,)
         return Layout(views, shape, shape, plan.items)
 
@@ -915,22 +920,16 @@ class LinearFamily(Family):
         if not self.parts or out is None or out.dim() == 0 or out.shape[0] == lay.out_shape[0]:
             return lay
         x, w = lay.inputs[0], lay.inputs[1]
-        plan = replace(LinearPlan.of(x, w, lay.inputs[3]), splits=out.shape[0])
-        counts = [s for s in range(1, LINEAR_MAX_PARTS + 1) if replace(plan, splits=s).whole]
-        if plan.splits not in counts:
+        plan = LinearPlan(_rows(x.shape), w.shape[0], x.shape[-1], out.shape[0], parts=True)
+        if not (plan.splits <= LINEAR_MAX_PARTS and plan.whole):
+            counts = [s for s in range(1, LINEAR_MAX_PARTS + 1) if replace(plan, splits=s).whole]
             raise TensorSpecError(
                 f"linear_parts: out's first dim is its count of K splits, each with some of K "
                 f"({plan.k}): one of {', '.join(map(str, counts))}; got {plan.splits}"
             )
-        workspace = torch.empty((plan.splits, 0), dtype=torch.int32, device=x.device)
         shape = (plan.splits, *lay.out_shape[1:])
-        return replace(
-            lay,
-            inputs=(*lay.inputs[:3], workspace),
-            out_shape=shape,
-            ref_shape=shape,
-            items=plan.items,
-        )
+        inputs = (*lay.inputs[:3], plan.workspace(x.device))
+        return replace(lay, inputs=inputs, out_shape=shape, ref_shape=shape, items=plan.items)
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
         x, w = xs[0], xs[1]

@@ -361,13 +361,14 @@ class ProgramOps:
         # each lane's splits are a tensor of their own, as many as its share of the SMs keeps
         # busy (GPT-2's down projection at 64 rows: 72 records a lane, planned for the whole
         # worker, were claimed late; 48 a lane made the step 3.5% shorter)
-        n, k = linear.weight.shape
+        (n, k), weights = linear.weight.shape, self._weights(linear)
         share = self.sms // len(self.lanes)
         parts = {}
         for r in self.lanes:
-            splits = LinearPlan.choose(r.stop - r.start, n, k, share, parts=True).splits
-            out = self.build.empty((splits, r.stop - r.start, n), torch.float32)
-            parts[r.start] = self._add("linear_parts", h[r], *self._weights(linear), out=out)
+            rows = r.stop - r.start
+            splits = LinearPlan.choose(rows, n, k, share, parts=True).splits
+            out = self.build.empty((splits, rows, n), torch.float32)
+            parts[r.start] = self._add("linear_parts", h[r], *weights, out=out)
         return x, self._normed("add_", norm, x, lambda r: (x[r], parts[r.start]))
 
     def _normed(
@@ -404,9 +405,7 @@ class ProgramOps:
         assert self.tables is not None, "rotary() of a model without rotary embeddings"
         cos, sin = self.tables
         at = self.inputs["positions"][:, None]
-        for r in self.lanes:
-            self._add("rotary", x[r], cos, sin, at[r], out=x[r])
-        return x
+        return self._lanes("rotary", lambda r: (x[r], cos, sin, at[r]), x)
 
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
