@@ -34,8 +34,8 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -90,9 +90,10 @@ class EngineConfig:
     micro_ops: MicroOps = "runtime"  # "torch": launch each micro-op with torch (the baseline)
 
 
-@dataclass(frozen=True)
-class Delta:
-    """A piece of one request's output, as streamed."""
+class Delta(NamedTuple):
+    """A piece of one request's output, as streamed. A tuple: the engine makes one a token of
+    every stream, and a frozen dataclass takes twice as long to make (bench/NOTES.md, the step
+    loop's host time)."""
 
     text: str  # new text (may be empty on the final delta)
     finish_reason: str | None  # None while generating; "stop" or "length" on the last delta
@@ -167,7 +168,7 @@ class _Stream:
             if delta.finish_reason is None:
                 self._held.append(delta.text)
                 return
-            delta = replace(delta, text="".join(self._held) + delta.text)
+            delta = delta._replace(text="".join(self._held) + delta.text)
         if self._async is not None:
             self._outbox.add(*self._async, delta)
         else:
