@@ -460,8 +460,10 @@ def engine_rows(
 def engine_run(
     engine: Engine, way: str, batch: list[list[int]], new: int, reference: list[int]
 ) -> dict:
-    """All prompts submitted at once; wall time to the last token, and inter-token gaps."""
+    """All prompts submitted at once; wall time to the last token, inter-token gaps, and the
+    step loop's host and wait time a step (the host bounds the steps where the wait is small)."""
     params = SamplingParams(max_tokens=new, temperature=0.0)
+    before = engine.steps, engine.host_s, engine.wait_s
     started = time.perf_counter()
     streams = engine.submit_many(batch, params)  # one admission: runs see the same steps
     for s in streams:
@@ -470,7 +472,11 @@ def engine_run(
     wall = time.perf_counter() - started
     gaps = [b - a for s in streams for a, b in zip(s.token_times, s.token_times[1:])]
     first = statistics.median(s.token_times[0] - started for s in streams)
-    return row(way, len(batch), new, wall, gaps, first, streams[0].tokens, reference)
+    out = row(way, len(batch), new, wall, gaps, first, streams[0].tokens, reference)
+    steps = engine.steps - before[0]
+    out["host_ms_per_step"] = 1e3 * (engine.host_s - before[1]) / steps
+    out["wait_ms_per_step"] = 1e3 * (engine.wait_s - before[2]) / steps
+    return out
 
 
 def new_engine(
@@ -575,6 +581,7 @@ def shape_summary(rows: list[dict], floor_ms: float | None) -> dict[str, dict]:
         s: dict[str, Any] = {"floor_ms": floor_ms}
         if ours:
             s.update(step_ms=ours["step_ms"], tok_s=ours["tokens_per_s"], agree=ours["agree"])
+            s.update(host_ms=ours["host_ms_per_step"], wait_ms=ours["wait_ms_per_step"])
         if loop:
             s.update(
                 graph_step_ms=loop["step_ms"],
@@ -610,13 +617,15 @@ def show(shape: str, summary: dict[str, dict], graphs: bool) -> str:
 
     loop = "torch loop from CUDA graphs" if graphs else "torch loop, eager"
     lines = [
-        f"== {shape}: ours = engine+runtime, graph = {loop}; ms per decode step",
-        "    R | ours ms | graph ms | ms ours/graph | ours tok/s | graph tok/s | "
-        "tok/s ours/graph | torch-ops tok/s | hf tok/s | floor ms | agree (graph)",
+        f"== {shape}: ours = engine+runtime, graph = {loop}; ms per decode step (host, wait:"
+        " the engine's step loop on the host and waiting for the device)",
+        "    R | ours ms | host ms | wait ms | graph ms | ms ours/graph | ours tok/s | "
+        "graph tok/s | tok/s ours/graph | torch-ops tok/s | hf tok/s | floor ms | agree (graph)",
     ]
     for key, s in summary.items():
         lines.append(
-            f"{key[1:]:>5} | {f(s, 'step_ms', '7.3f')} | {f(s, 'graph_step_ms', '8.3f')} "
+            f"{key[1:]:>5} | {f(s, 'step_ms', '7.3f')} | {f(s, 'host_ms', '7.3f')} | "
+            f"{f(s, 'wait_ms', '7.3f')} | {f(s, 'graph_step_ms', '8.3f')} "
             f"| {f(s, 'step_over_graph', '13.2f')} | {f(s, 'tok_s', '10.0f')} | "
             f"{f(s, 'graph_tok_s', '11.0f')} | {f(s, 'tok_s_over_graph', '16.2f')} | "
             f"{f(s, 'torch_ops_tok_s', '15.0f')} | {f(s, 'hf_tok_s', '8.0f')} | "

@@ -245,6 +245,16 @@ class ReplicaStats(BaseModel):
         0, description="LLM step programs built (one per new step layout; its step waits)"
     )
     llm_program_build_ms: int = Field(0, description="milliseconds spent building them")
+    llm_step_host_ms: int = Field(
+        0,
+        description="milliseconds of the LLM step loop on the host (scheduling, writing and "
+        "publishing steps, reading tokens back, streaming text)",
+    )
+    llm_step_wait_ms: int = Field(
+        0,
+        description="milliseconds the LLM step loop waited for the device's tokens (near none "
+        "while steps are busy: the replica is bound by its host)",
+    )
 
 
 class StatsTotal(BaseModel):
@@ -256,6 +266,8 @@ class StatsTotal(BaseModel):
     llm_tokens: int = 0
     llm_programs: int = 0
     llm_program_build_ms: int = 0
+    llm_step_host_ms: int = 0
+    llm_step_wait_ms: int = 0
 
 
 class StatsResponse(BaseModel):
@@ -277,6 +289,8 @@ def stats_total(replicas: list[ReplicaStats]) -> StatsTotal:
         llm_tokens=sum(r.llm_tokens for r in replicas),
         llm_programs=sum(r.llm_programs for r in replicas),
         llm_program_build_ms=sum(r.llm_program_build_ms for r in replicas),
+        llm_step_host_ms=sum(r.llm_step_host_ms for r in replicas),
+        llm_step_wait_ms=sum(r.llm_step_wait_ms for r in replicas),
     )
 
 

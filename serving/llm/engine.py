@@ -438,6 +438,9 @@ class Engine:
         self._closed = False
         self._cancels = False  # a stream was cancelled since the last look: _schedule looks
         self.steps = self.tokens = 0  # steps run, tokens generated (for /v1/stats)
+        # Seconds of the step loop on the host and blocked on a launched step's tokens: a
+        # replica whose waits shrink towards nothing is bound by its host, not its device.
+        self.host_s = self.wait_s = 0.0
         self._thread = daemon(self._loop, "gpuos-llm-engine")
 
     def _allocate_kv(self) -> KVPool:
@@ -530,7 +533,8 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """Requests running and waiting now; steps, tokens, step programs built and the
-        milliseconds building them took, so far."""
+        milliseconds building them took, and the step loop's milliseconds on the host and
+        waiting for the device, so far."""
         with self._lock:
             return {
                 "running": len(self._running),
@@ -539,6 +543,8 @@ class Engine:
                 "tokens": self.tokens,
                 "programs": self._forward.built,
                 "program_build_ms": round(1000 * self._forward.build_s),
+                "step_host_ms": round(1000 * self.host_s),
+                "step_wait_ms": round(1000 * self.wait_s),
             }
 
     def close(self) -> None:
@@ -572,15 +578,21 @@ class Engine:
     def step(self) -> None:
         """One step: admit, start the spans' rows on the device, take the tokens of the
         previous step (chained on the device) or of this one (torch), stream their text."""
+        began, waited = time.perf_counter(), 0.0
         step = self._schedule()
         launched = (step, self._launch(step)) if step is not None else None
         done = launched
         if self._forward.chains:
             done, self._inflight = self._inflight, launched
         if done is not None:
-            self._collect(done[0], done[1].result())
+            waiting = time.perf_counter()
+            out = done[1].result()
+            waited = time.perf_counter() - waiting
+            self._collect(done[0], out)
             self.steps += 1
         self._emit()
+        self.wait_s += waited
+        self.host_s += time.perf_counter() - began - waited
 
     def _schedule(self) -> _Step | None:
         """Admit waiting requests into free slots, drop cancelled ones, take every running

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -371,6 +372,30 @@ def test_requests_submitted_together_share_their_steps(
         streams = engine.submit_many(prompts([3, 5, 2, 7]), GREEDY)
         assert [list(s)[-1].finish_reason for s in streams] == ["length"] * 4
         assert engine.stats()["steps"] == GREEDY.max_tokens
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("micro_ops", ["runtime", "torch"])
+def test_stats_split_the_step_loop_into_host_and_wait(
+    model_dir: Path, runtime: Runtime, micro_ops: str
+) -> None:
+    """stats() counts the step loop's milliseconds on the host and blocked on a launched step's
+    tokens, within the wall time of the steps: a step program runs off the loop (the loop
+    waits for it), the torch forward inside it (all host, no wait)."""
+    model = device_model(model_dir, runtime)
+    engine = start(model, runtime, micro_ops=micro_ops, max_running=2)
+    try:
+        began = time.perf_counter()
+        streams = engine.submit_many(prompts([3, 5]), SamplingParams(max_tokens=24))
+        assert [list(s)[-1].finish_reason for s in streams] == ["length"] * 2
+        wall_ms = 1000 * (time.perf_counter() - began)
+        stats = engine.stats()
+        assert stats["step_host_ms"] + stats["step_wait_ms"] <= wall_ms + 1  # each rounded
+        if micro_ops == "torch":
+            assert stats["step_wait_ms"] == 0 < stats["step_host_ms"]
+        else:
+            assert stats["step_wait_ms"] > 0
     finally:
         engine.close()
 
