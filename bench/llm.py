@@ -461,19 +461,22 @@ def engine_run(
     engine: Engine, way: str, batch: list[list[int]], new: int, reference: list[int]
 ) -> dict:
     """All prompts submitted at once; wall time to the last token, inter-token gaps, and the
-    step loop's host and wait time a step (the host bounds the steps where the wait is small)."""
+    step loop's host and wait time a decode step, from stream 0's first delta on (the host
+    bounds the steps where the wait is small)."""
     params = SamplingParams(max_tokens=new, temperature=0.0)
-    before = engine.steps, engine.host_s, engine.wait_s
     started = time.perf_counter()
     streams = engine.submit_many(batch, params)  # one admission: runs see the same steps
-    for s in streams:
-        last = list(s)[-1]
+    deltas = iter(streams[0])
+    first_delta = next(deltas)  # the prompts' steps are behind
+    before = engine.steps, engine.host_s, engine.wait_s
+    ends = [[first_delta, *deltas][-1]] + [list(s)[-1] for s in streams[1:]]
+    for last in ends:
         assert last.finish_reason == "length", f"stream ended {last.finish_reason}: {last.error}"
     wall = time.perf_counter() - started
     gaps = [b - a for s in streams for a, b in zip(s.token_times, s.token_times[1:])]
     first = statistics.median(s.token_times[0] - started for s in streams)
     out = row(way, len(batch), new, wall, gaps, first, streams[0].tokens, reference)
-    steps = engine.steps - before[0]
+    steps = max(1, engine.steps - before[0])
     out["host_ms_per_step"] = 1e3 * (engine.host_s - before[1]) / steps
     out["wait_ms_per_step"] = 1e3 * (engine.wait_s - before[2]) / steps
     return out
@@ -618,7 +621,7 @@ def show(shape: str, summary: dict[str, dict], graphs: bool) -> str:
     loop = "torch loop from CUDA graphs" if graphs else "torch loop, eager"
     lines = [
         f"== {shape}: ours = engine+runtime, graph = {loop}; ms per decode step (host, wait:"
-        " the engine's step loop on the host and waiting for the device)",
+        " the engine's step loop a decode step on the host and waiting for the device)",
         "    R | ours ms | host ms | wait ms | graph ms | ms ours/graph | ours tok/s | "
         "graph tok/s | tok/s ours/graph | torch-ops tok/s | hf tok/s | floor ms | agree (graph)",
     ]

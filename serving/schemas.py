@@ -247,13 +247,13 @@ class ReplicaStats(BaseModel):
     llm_program_build_ms: int = Field(0, description="milliseconds spent building them")
     llm_step_host_ms: int = Field(
         0,
-        description="milliseconds of the LLM step loop on the host (scheduling, writing and "
-        "publishing steps, reading tokens back, streaming text)",
+        description="milliseconds of the LLM step loop besides its waits for a launched step's "
+        "tokens: scheduling, writing and publishing steps, reading tokens back, streaming text",
     )
     llm_step_wait_ms: int = Field(
         0,
-        description="milliseconds the LLM step loop waited for the device's tokens (near none "
-        "while steps are busy: the replica is bound by its host)",
+        description="milliseconds the LLM step loop waited for a launched step's tokens (a "
+        "small share while requests run: the host, not the device, bounds the steps)",
     )
 
 
