@@ -381,8 +381,9 @@ def test_stats_split_the_step_loop_into_host_and_wait(
     model_dir: Path, runtime: Runtime, micro_ops: str
 ) -> None:
     """stats() counts the step loop's milliseconds on the host and blocked on a launched step's
-    tokens, within the wall time of the steps: a step program runs off the loop (the loop
-    waits for it), the torch forward inside it (all host, no wait)."""
+    tokens, within the wall time of the steps: the torch forward runs inside the loop (all
+    host, no wait), a step program off it (on the CPU backend, slower than the loop: mostly
+    wait; a GPU may finish it before the loop asks)."""
     model = device_model(model_dir, runtime)
     engine = start(model, runtime, micro_ops=micro_ops, max_running=2)
     try:
@@ -394,8 +395,8 @@ def test_stats_split_the_step_loop_into_host_and_wait(
         assert stats["step_host_ms"] + stats["step_wait_ms"] <= wall_ms + 1  # each rounded
         if micro_ops == "torch":
             assert stats["step_wait_ms"] == 0 < stats["step_host_ms"]
-        else:
-            assert stats["step_wait_ms"] > 0
+        elif runtime.device.type == "cpu":
+            assert stats["step_wait_ms"] > stats["step_host_ms"]
     finally:
         engine.close()
 
