@@ -461,15 +461,15 @@ def engine_run(
     engine: Engine, way: str, batch: list[list[int]], new: int, reference: list[int]
 ) -> dict:
     """All prompts submitted at once; wall time to the last token, inter-token gaps, and the
-    step loop's host and wait time a decode step, from stream 0's first delta on (the host
-    bounds the steps where the wait is small)."""
+    step loop's host and wait time a decode step, from the last stream's first delta on (the
+    host bounds the steps where the wait is small)."""
     params = SamplingParams(max_tokens=new, temperature=0.0)
     started = time.perf_counter()
     streams = engine.submit_many(batch, params)  # one admission: runs see the same steps
-    deltas = iter(streams[0])
-    first_delta = next(deltas)  # the prompts' steps are behind
+    deltas = iter(streams[-1])
+    first_delta = next(deltas)  # its prompt came in the last chunk: decode steps from here
     before = engine.steps, engine.host_s, engine.wait_s
-    ends = [[first_delta, *deltas][-1]] + [list(s)[-1] for s in streams[1:]]
+    ends = [list(s)[-1] for s in streams[:-1]] + [[first_delta, *deltas][-1]]
     for last in ends:
         assert last.finish_reason == "length", f"stream ended {last.finish_reason}: {last.error}"
     wall = time.perf_counter() - started

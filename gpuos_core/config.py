@@ -24,7 +24,7 @@ class CudaConfig:
     # tasks' records then spread over every block)
     stall_timeout_s: float = 10.0  # pending records and no completion this long: stalled
     publish_chunk: int = 1024  # records staged, copied and published at a time while the
-    # worker has nothing else pending (behind pending work a batch goes in one part)
+    # worker has nothing else pending (behind pending work, a part takes all the ring has free)
     spin_s: float = 0.0005  # a waiting thread polls completions itself this long
     poll_sleep_s: float = 2e-4  # the poller thread's pause between polls (a thread waiting
     # on a batch polls itself; this bounds async waits)
