@@ -12,13 +12,15 @@ producer's last record was done), its span (first record ready to last record do
 records' median run time. Sums by operator name say what the step spends its time on; so does
 the SM time each operator's records ran, which for a prefill step (many stages side by side)
 says more than its path. Writes
-step-trace-<device>.json to --out, and with --raw every record's times and marks (.npz, one per
-program) for questions the sums do not answer.
+step-trace-<device>.json.gz to --out (gzip: a trace is ~250 KB of JSON, ~15 KB packed; read it
+with zcat or gzip.open), and with --raw every record's times and marks (.npz, one per program)
+for questions the sums do not answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import tempfile
@@ -338,10 +340,9 @@ def main() -> None:
             )
     device = torch.cuda.get_device_name().split()[-1].lower()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"step-trace-{device}.json"
-    path.write_text(
-        json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1)
-    )
+    path = args.out / f"step-trace-{device}.json.gz"
+    with gzip.open(path, "wt") as out:
+        json.dump({"device": torch.cuda.get_device_name(), "results": results}, out, indent=1)
     print(f"wrote {path}")
 
 
