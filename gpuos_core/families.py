@@ -805,15 +805,25 @@ class LinearPlan:
         width = self.kch * LINEAR_KSTEP
         return [(s * width, min(self.k, (s + 1) * width)) for s in range(self.splits)]
 
+    @staticmethod
+    def dims(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
+        """(M, N, K) of x [..., K] times w [N, K] transposed."""
+        return _rows(x.shape), w.shape[0], x.shape[-1]
+
+    @classmethod
+    def splittings(cls, m: int, n: int, k: int, parts: bool) -> list[LinearPlan]:
+        """The plans of every split count whose splits all get steps of K (one split always
+        does), up to LINEAR_MAX_PARTS in parts mode (its consumer sums them), else
+        LINEAR_MAX_SPLITS."""
+        most = LINEAR_MAX_PARTS if parts else LINEAR_MAX_SPLITS
+        return [p for s in range(1, most + 1) if (p := cls(m, n, k, s, parts)).whole]
+
     @classmethod
     def choose(cls, m: int, n: int, k: int, sms: int, parts: bool = False) -> LinearPlan:
         """The split of K that should finish soonest on `sms` multiprocessors (a block each): enough
         items to occupy them, against the cost of writing and summing partials. `parts`: for
-        linear_parts (at most LINEAR_MAX_PARTS splits, which its consumer sums)."""
-        most = LINEAR_MAX_PARTS if parts else LINEAR_MAX_SPLITS
-        plans = [cls(m, n, k, s, parts) for s in range(1, most + 1)]
-        valid = [p for p in plans if p.whole]
-        return min(valid or [cls(m, n, k, 1, parts)], key=lambda p: (p._cost(sms), p.splits))
+        linear_parts."""
+        return min(cls.splittings(m, n, k, parts), key=lambda p: (p._cost(sms), p.splits))
 
     @property
     def whole(self) -> bool:
@@ -841,7 +851,7 @@ class LinearPlan:
     def of(cls, x: torch.Tensor, w: torch.Tensor, workspace: torch.Tensor) -> LinearPlan:
         """The plan of encoded inputs, `splits` read from the workspace as the device reads it:
         from its length, or in parts mode (an empty [S, 0] workspace) from its first dim."""
-        plan = cls(_rows(x.shape), w.shape[0], x.shape[-1], 1)
+        plan = cls(*cls.dims(x, w), 1)
         if workspace.dim() == 2:
             return replace(plan, splits=workspace.shape[0], parts=True)
         if workspace.numel() == 0:
@@ -907,10 +917,9 @@ class LinearFamily(Family):
                 f"linear: x, weight and bias must share one dtype, got "
                 f"{', '.join(str(t.dtype) for t in inputs)}"
             )
-        m, n, k = _rows(x.shape), w.shape[0], x.shape[-1]
-        plan = LinearPlan.choose(m, n, k, sm_count(x.device), self.parts)
+        plan = LinearPlan.choose(*LinearPlan.dims(x, w), sm_count(x.device), self.parts)
         views = (x, w, bias if bias is not None else x.new_empty(0), plan.workspace(x.device))
-        shape = ((plan.splits,) if self.parts else ()) + tuple(x.shape[:-1]) + (n,)
+        shape = ((plan.splits,) if self.parts else ()) + tuple(x.shape[:-1]) + (plan.n,)
         return Layout(views, shape, shape, plan.items)
 
     def fit_out(self, lay: Layout, out: torch.Tensor | None) -> Layout:
@@ -920,12 +929,12 @@ class LinearFamily(Family):
         if not self.parts or out is None or out.dim() == 0 or out.shape[0] == lay.out_shape[0]:
             return lay
         x, w = lay.inputs[0], lay.inputs[1]
-        plan = LinearPlan(_rows(x.shape), w.shape[0], x.shape[-1], out.shape[0], parts=True)
-        if not (plan.splits <= LINEAR_MAX_PARTS and plan.whole):
-            counts = [s for s in range(1, LINEAR_MAX_PARTS + 1) if replace(plan, splits=s).whole]
+        plans = {p.splits: p for p in LinearPlan.splittings(*LinearPlan.dims(x, w), parts=True)}
+        plan = plans.get(out.shape[0])
+        if plan is None:
             raise TensorSpecError(
                 f"linear_parts: out's first dim is its count of K splits, each with some of K "
-                f"({plan.k}): one of {', '.join(map(str, counts))}; got {plan.splits}"
+                f"({x.shape[-1]}): one of {', '.join(map(str, plans))}; got {out.shape[0]}"
             )
         shape = (plan.splits, *lay.out_shape[1:])
         inputs = (*lay.inputs[:3], plan.workspace(x.device))
@@ -951,9 +960,7 @@ class LinearFamily(Family):
         x, w = xs[0], xs[1]
         if len(xs) > 3:
             return LinearPlan.of(x, w, xs[3])
-        return LinearPlan.choose(
-            _rows(x.shape), w.shape[0], x.shape[-1], sm_count(x.device), self.parts
-        )
+        return LinearPlan.choose(*LinearPlan.dims(x, w), sm_count(x.device), self.parts)
 
     def execute(
         self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int
