@@ -101,6 +101,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {  # family, config.json overrid
     ),
 }
 TARGET_STEP_MS, TARGET_OVER_GRAPH = 0.4, 1.5  # gpt2 at R <= 64; tokens/s at R in 8, 32, 64
+OURS = "engine+runtime"  # the way of the engine on the runtime (at the first --decode-steps)
 BASELINE_S, ENGINE_S = 240, 240  # a phase (one shape) hung past this: print stacks and exit
 
 
@@ -460,9 +461,10 @@ def engine_rows(
 def engine_run(
     engine: Engine, way: str, batch: list[list[int]], new: int, reference: list[int]
 ) -> dict:
-    """All prompts submitted at once; wall time to the last token, inter-token gaps, and the
-    step loop's host and wait time a decode step, from the last stream's first delta on (the
-    host bounds the steps where the wait is small)."""
+    """All prompts submitted at once; wall time to the last token, a decode step's time (each
+    stream's mean gap between tokens: steps run several to a program hand their tokens over
+    together), the longest gaps, and the step loop's host and wait time a decode step, from the
+    last stream's first delta on (the host bounds the steps where the wait is small)."""
     params = SamplingParams(max_tokens=new, temperature=0.0)
     started = time.perf_counter()
     streams = engine.submit_many(batch, params)  # one admission: runs see the same steps
@@ -473,12 +475,14 @@ def engine_run(
     for last in ends:
         assert last.finish_reason == "length", f"stream ended {last.finish_reason}: {last.error}"
     wall = time.perf_counter() - started
+    steps = [(s.token_times[-1] - s.token_times[0]) / (len(s.token_times) - 1) for s in streams]
     gaps = [b - a for s in streams for a, b in zip(s.token_times, s.token_times[1:])]
     first = statistics.median(s.token_times[0] - started for s in streams)
-    out = row(way, len(batch), new, wall, gaps, first, streams[0].tokens, reference)
-    steps = max(1, engine.steps - before[0])
-    out["host_ms_per_step"] = 1e3 * (engine.host_s - before[1]) / steps
-    out["wait_ms_per_step"] = 1e3 * (engine.wait_s - before[2]) / steps
+    out = row(way, len(batch), new, wall, steps, first, streams[0].tokens, reference)
+    out["gap_p99_ms"] = 1e3 * p99(gaps)
+    ran = max(1, engine.steps - before[0])
+    out["host_ms_per_step"] = 1e3 * (engine.host_s - before[1]) / ran
+    out["wait_ms_per_step"] = 1e3 * (engine.wait_s - before[2]) / ran
     return out
 
 
@@ -489,12 +493,14 @@ def new_engine(
     prompt: int,
     new: int,
     step_tokens: int,
+    decode_steps: int,
 ) -> Engine:
     tokenizer = ByteTokenizer(eos_id=None) if model.config.vocab_size <= 256 else IdChars()
     config = EngineConfig(
         max_running=max(streams),
         max_len=prompt + new + 1,
         max_step_tokens=step_tokens,
+        decode_steps=decode_steps,
         micro_ops="runtime" if runtime is not None else "torch",
     )
     return Engine(model, tokenizer, runtime, config)
@@ -537,7 +543,7 @@ def baselines(bench: Bench, streams: list[int], args: argparse.Namespace, notes:
     if not args.no_hf:
         hf_rows(bench.rows, bench.path, *run)
     if not args.no_torch_ops:
-        engine = new_engine(bench.model, None, ok, args.prompt, args.new, args.step_tokens)
+        engine = new_engine(bench.model, None, ok, args.prompt, args.new, args.step_tokens, 1)
         try:
             engine_rows(bench.rows, engine, "engine+torch", *run[1:], 1)
         finally:
@@ -547,20 +553,23 @@ def baselines(bench: Bench, streams: list[int], args: argparse.Namespace, notes:
 
 
 def ours(bench: Bench, rt: Runtime, args: argparse.Namespace) -> None:
-    engine = new_engine(bench.model, rt, bench.streams, args.prompt, args.new, args.step_tokens)
-    try:
-        engine_rows(
-            bench.rows,
-            engine,
-            "engine+runtime",
-            bench.streams,
-            args.prompt,
-            args.new,
-            bench.reference,
-            args.reps,
-        )
-    finally:
-        engine.close()
+    """The engine on the runtime at each of --decode-steps (the first is "ours")."""
+    for i, steps in enumerate(args.decode_steps):
+        run = (bench.model, rt, bench.streams, args.prompt, args.new, args.step_tokens, steps)
+        engine = new_engine(*run)
+        try:
+            engine_rows(
+                bench.rows,
+                engine,
+                f"{OURS} decode_steps={steps}" if i else OURS,
+                bench.streams,
+                args.prompt,
+                args.new,
+                bench.reference,
+                args.reps,
+            )
+        finally:
+            engine.close()
 
 
 def guarded(phase: str, notes: list[str], fn: Callable[[], None]) -> None:
@@ -580,11 +589,17 @@ def shape_summary(rows: list[dict], floor_ms: float | None) -> dict[str, dict]:
     out = {}
     for r in sorted({x["streams"] for x in rows}):
         by = {x["way"].split(" (")[0]: x for x in rows if x["streams"] == r}
-        ours, loop = by.get("engine+runtime"), by.get("graph loop") or by.get("torch loop")
+        ours, loop = by.get(OURS), by.get("graph loop") or by.get("torch loop")
         s: dict[str, Any] = {"floor_ms": floor_ms}
         if ours:
             s.update(step_ms=ours["step_ms"], tok_s=ours["tokens_per_s"], agree=ours["agree"])
             s.update(host_ms=ours["host_ms_per_step"], wait_ms=ours["wait_ms_per_step"])
+            s.update(gap_p99_ms=ours["gap_p99_ms"])
+        for way, x in by.items():  # ours at the other --decode-steps
+            if way.startswith(f"{OURS} decode_steps="):
+                steps = way.rsplit("=", 1)[1]
+                s[f"step_ms_decode_steps_{steps}"] = x["step_ms"]
+                s[f"host_ms_decode_steps_{steps}"] = x["host_ms_per_step"]
         if loop:
             s.update(
                 graph_step_ms=loop["step_ms"],
@@ -680,6 +695,14 @@ def parse() -> argparse.Namespace:
         type=int,
         default=EngineConfig.max_step_tokens,
         help="the engine's max_step_tokens (prompts are chunked past it)",
+    )
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        nargs="+",
+        default=[EngineConfig.decode_steps],
+        help="the engine's decode_steps: the first is ours in the summary, each other one a "
+        "row of its own beside it",
     )
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
     parser.add_argument("--no-torch-ops", action="store_true", help="skip engine+torch")

@@ -87,6 +87,7 @@ class LlmService:
                 max_len=args.max_len,
                 max_waiting=args.max_waiting,
                 max_step_tokens=args.max_step_tokens,
+                decode_steps=args.decode_steps,
                 micro_ops=args.micro_ops,
             ),
         )

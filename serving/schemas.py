@@ -238,6 +238,9 @@ class ReplicaStats(BaseModel):
     sizes: dict[int, int] = Field(description="batch size -> submissions of that size")
     config: CoalescerConfig
     llm_steps: int = Field(0, description="LLM engine steps (every running request advances)")
+    llm_launches: int = Field(
+        0, description="LLM step programs launched (one runs up to llm.decode_steps steps)"
+    )
     llm_tokens: int = Field(0, description="tokens the LLM engine generated")
     llm_running: int = Field(0, description="completions decoding now (KV slots in use)")
     llm_waiting: int = Field(0, description="completions waiting for a KV slot")
@@ -263,6 +266,7 @@ class StatsTotal(BaseModel):
     tasks: int
     mean_batch_size: float = Field(description="tasks per runtime submission, all replicas")
     llm_steps: int = 0
+    llm_launches: int = 0
     llm_tokens: int = 0
     llm_programs: int = 0
     llm_program_build_ms: int = 0
@@ -286,6 +290,7 @@ def stats_total(replicas: list[ReplicaStats]) -> StatsTotal:
         tasks=tasks,
         mean_batch_size=tasks / batches if batches else 0.0,
         llm_steps=sum(r.llm_steps for r in replicas),
+        llm_launches=sum(r.llm_launches for r in replicas),
         llm_tokens=sum(r.llm_tokens for r in replicas),
         llm_programs=sum(r.llm_programs for r in replicas),
         llm_program_build_ms=sum(r.llm_program_build_ms for r in replicas),

@@ -26,6 +26,13 @@ takes the tokens that step sampled for the rows the host marks `fed(p)` (the tok
 p, which the host has not seen yet); it samples into the chain's buffer of its parity and reads
 the other's. A layout has a program per parity, so the program of step k + 1 never waits for the
 one running step k.
+
+A decode-only layout may run `steps` decode steps back to back in one program (vLLM's
+multi-step): sub-step j's rows take the tokens sub-step j - 1 sampled (a `feed_tokens` inside the
+program), at positions, KV rows, lengths and draws one further each; the host writes every
+sub-step's inputs with the one copy, and reads back each sub-step's tokens at the end. So the
+host's work for a step (scheduling, writing inputs, launching, reading back) is done once for
+`steps` tokens of every request.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
@@ -63,9 +71,13 @@ def fusable(table: OpTable) -> frozenset[str]:
     return frozenset(name for name in FUSABLE if table.current(name).spec is CATALOGUE[name])
 
 
-def fed(pick: int) -> int:
+@overload
+def fed(pick: int) -> int: ...
+@overload
+def fed(pick: np.ndarray) -> np.ndarray: ...
+def fed(pick: int | np.ndarray) -> int | np.ndarray:
     """The token of a row that takes what the previous step sampled for its logits row `pick`
-    (feed_tokens, cuda/ops/steps.cuh)."""
+    (feed_tokens, cuda/ops/steps.cuh); elementwise over an array of picks."""
     return -2 - pick
 
 
@@ -101,22 +113,29 @@ class Layout:
 
     decode: int  # rows 0..decode-1: KV slots 0..decode-1
     groups: int  # then this many groups of GROUP_ROWS rows, for the longer spans
+    steps: int = 1  # decode steps the program runs back to back (decode rows only beyond 1)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or (self.steps > 1 and self.groups):
+            raise ValueError(f"{self}: only a decode-only layout runs several steps")
 
     @classmethod
-    def of(cls, spans: Sequence[Span], slots: int) -> Layout:
-        """The layout of `spans` in a pool of `slots`: decode rows rounded up to a power of two
-        (at most `slots`) and groups to a `bucket`, so that a request joining or leaving, or a
-        prompt of another length, rarely needs a new program."""
+    def of(cls, spans: Sequence[Span], slots: int, steps: int = 1) -> Layout:
+        """The layout of `spans` in a pool of `slots`, run `steps` times (decode spans only
+        beyond one): decode rows rounded up to a power of two (at most `slots`) and groups to a
+        `bucket`, so that a request joining or leaving, or a prompt of another length, rarely
+        needs a new program."""
         singles = [s.slot for s in spans if len(s.tokens) == 1]
         decode = decode_rows(max(singles) + 1, slots) if singles else 0
         need = sum(groups_of(len(s.tokens)) for s in spans if len(s.tokens) > 1)
-        return cls(decode, bucket(need) if need else 0)
+        return cls(decode, bucket(need) if need else 0, steps)
 
     @classmethod
-    def decoding(cls, slots: int) -> list[Layout]:
-        """Every layout of a step with decode rows only, in a pool of `slots`."""
+    def decoding(cls, slots: int, steps: int) -> list[Layout]:
+        """Every layout of a step with decode rows only, in a pool of `slots`, run once or
+        `steps` times."""
         counts = {decode_rows(1 << k, slots) for k in range(math.ceil(math.log2(slots)) + 1)}
-        return [cls(rows, 0) for rows in sorted(counts)]
+        return [cls(rows, 0, n) for rows in sorted(counts) for n in sorted({1, steps})]
 
     @staticmethod
     def most_picks(slots: int, step_tokens: int) -> int:
@@ -182,19 +201,23 @@ def decode_rows(used: int, slots: int) -> int:
     return min(power_of_two(used), slots)
 
 
+# Inputs of each sub-step of a layout's program (StepInputs: [steps, ...]); the others are shared.
+STEPWISE = ("tokens", "positions", "kv_rows", "lengths", "rng")
+
+
 class StepInputs:
     """The per-step tensors of one layout, views of one int32 device buffer, and the pinned host
     copy they are written from (one copy a step)."""
 
     def __init__(self, layout: Layout, device: torch.device) -> None:
-        n, r = layout.rows, layout.picks
+        n, r, k = layout.rows, layout.picks, layout.steps
         sizes = {
-            "tokens": n,
-            "positions": n,
-            "kv_rows": n,
-            "lengths": n,
+            "tokens": k * n,
+            "positions": k * n,
+            "kv_rows": k * n,
+            "lengths": k * n,
             "picks": r,
-            "rng": 3 * r,
+            "rng": k * 3 * r,
             "params": 3 * r,
             "expect": 1,
         }
@@ -211,11 +234,14 @@ class StepInputs:
             at += size
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        """The device view named (`params` is float32, `rng` and `params` are [picks, 3])."""
+        """The device view named: those of STEPWISE [steps, ...] (`rng` [steps, picks, 3]),
+        `params` float32 [picks, 3]."""
         view = self._device[name]
         if name == "params":
             return view.view(torch.float32).view(-1, 3)
-        return view.view(-1, 3) if name == "rng" else view
+        if name == "rng":
+            return view.view(self.layout.steps, -1, 3)
+        return view.view(self.layout.steps, -1) if name in STEPWISE else view
 
     def write(
         self,
@@ -227,8 +253,8 @@ class StepInputs:
         expect: int,
     ) -> None:
         """Fill the host words for `spans` where `placed` puts them (params float32 and rng
-        int32, [spans, 3] each), idle rows and greedy idle picks elsewhere, and the clock value
-        to wait for; `uploads` takes them to the device."""
+        int32, [spans, 3] each: the first sub-step's draws), idle rows and greedy idle picks
+        elsewhere, and the clock value to wait for; `uploads` takes them to the device."""
         host = self._host
         host["expect"][0] = expect
         for name in ("tokens", "positions", "kv_rows"):
@@ -242,12 +268,29 @@ class StepInputs:
         k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
         rows = np.repeat(placed.first, counts) + k
         positions = np.repeat([s.start for s in spans], counts) + k
+        # the first sub-step's words come first in each STEPWISE array
         host["tokens"][rows] = [t for s in spans for t in s.tokens]
         host["positions"][rows] = positions
         host["kv_rows"][rows] = np.repeat([s.slot for s in spans], counts) * max_len + positions
         host["lengths"][rows] = positions + 1
         host["params"].view(np.float32).reshape(-1, 3)[placed.pick] = params
-        host["rng"].reshape(-1, 3)[placed.pick] = rng
+        host["rng"].reshape(self.layout.steps, -1, 3)[0, placed.pick] = rng
+        if self.layout.steps > 1:
+            self._later_steps(placed)
+
+    def _later_steps(self, placed: Placement) -> None:
+        """Sub-steps 1.. of a decode-only layout, from the first's words: each row takes the
+        token its logits row sampled in the sub-step before, one position (KV row, length, draw)
+        further."""
+        host, k = self._host, self.layout.steps
+        rows, later = placed.first, np.arange(1, k)[:, None]
+        host["tokens"].reshape(k, -1)[1:, rows] = fed(placed.pick)
+        for name in ("positions", "kv_rows", "lengths"):
+            grid = host[name].reshape(k, -1)
+            grid[1:, rows] = grid[0, rows] + later
+        rng = host["rng"].reshape(k, -1, 3)
+        rng[1:, placed.pick] = rng[0, placed.pick]
+        rng[1:, placed.pick, 2] += later.astype(np.int32)  # the draw's counter
 
     @property
     def uploads(self) -> Uploads:
@@ -258,13 +301,15 @@ class StepInputs:
 
 class StepChain:
     """What chains one engine's steps on the device: the clock every step ticks, and per parity
-    what its steps hand back, one per logits row (at most `picks`): the sampled tokens, then the
-    logits rows' sums (float32 bits), so that the host reads both with one copy."""
+    what its steps hand back, one per logits row (at most `picks`) and sub-step (at most
+    `steps`, the last first: the next step's feed_tokens reads row 0): the sampled tokens, then
+    the logits rows' sums (float32 bits), so that the host reads both with one copy."""
 
-    def __init__(self, picks: int, device: torch.device) -> None:
+    def __init__(self, picks: int, steps: int, device: torch.device) -> None:
         self.clock = torch.zeros(1, dtype=torch.int32, device=device)
-        self.sampled = torch.full((2, 2, picks), IDLE, dtype=torch.int32, device=device)
-        pinned = torch.empty((2, 2, picks), dtype=torch.int32, pin_memory=device.type == "cuda")
+        shape = (2, 2, steps, picks)
+        self.sampled = torch.full(shape, IDLE, dtype=torch.int32, device=device)
+        pinned = torch.empty(shape, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.host = pinned.numpy()  # where the host reads `sampled` to (keeps `pinned` alive)
         self.launched = 0  # steps launched: the clock's value once they all ticked
 
@@ -285,11 +330,11 @@ class StepChain:
 
 
 class ProgramOps:
-    """MicroOps that record each call into a device program over a layout's rows (see forward.py
-    for the contracts; `inputs` holds what changes per step). The program's first task takes the
-    rows' tokens from the inputs and from `fed` (feed_tokens); the activations in `fused` run
-    inside their up projections; each operator runs once per lane of `lanes` (lanes_of), on a
-    worker of `sms` blocks."""
+    """MicroOps that record each call of sub-step `step` into a device program over a layout's
+    rows (see forward.py for the contracts; `inputs` holds what changes per step). Its first
+    task takes the rows' tokens from the inputs and from `feed` (feed_tokens: the tokens sampled
+    before, and the clock); the activations in `fused` run inside their up projections; each
+    operator runs once per lane of `lanes` (lanes_of), on a worker of `sms` blocks."""
 
     def __init__(
         self,
@@ -297,6 +342,7 @@ class ProgramOps:
         config: ModelConfig,
         pool: KVPool,
         inputs: StepInputs,
+        step: int,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         feed: tuple[torch.Tensor, torch.Tensor],
         fused: frozenset[str],
@@ -304,7 +350,7 @@ class ProgramOps:
         sms: int,
     ) -> None:
         self.build, self.config, self.pool, self.inputs = build, config, pool, inputs
-        self.fused = fused
+        self.step, self.fused = step, fused
         self.layout, self.tables = inputs.layout, rotary
         # (task, operand, group): operands that view KV slot 0 in the records, where each step
         # binds the slot of the group's span (Program.binding)
@@ -313,7 +359,12 @@ class ProgramOps:
         self._late: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # stores after the head
         self.lanes, self.sms = lanes, sms  # the rows of each (lanes_of); the worker's blocks
         sampled, clock = feed
-        self.tokens = self._add("feed_tokens", inputs["tokens"], sampled, clock, inputs["expect"])
+        tokens = self._input("tokens")
+        self.tokens = self._add("feed_tokens", tokens, sampled, clock, inputs["expect"])
+
+    def _input(self, name: str) -> torch.Tensor:
+        """This sub-step's device view of the input `name` (of STEPWISE)."""
+        return self.inputs[name][self.step]
 
     def _add(
         self, op: str, *inputs: torch.Tensor, out: torch.Tensor | None = None, **scalars: float
@@ -346,7 +397,7 @@ class ProgramOps:
         if positions is None:
             return x, self._normed("", norm, x, lambda r: (x[r],))
         # the norm adds the position rows as it reads x: no stage of their own
-        at = self.inputs["positions"]
+        at = self._input("positions")
         pos = self._lanes(
             "gather_rows",
             lambda r: (positions, at[r]),
@@ -404,7 +455,7 @@ class ProgramOps:
     def rotary(self, x: torch.Tensor) -> torch.Tensor:
         assert self.tables is not None, "rotary() of a model without rotary embeddings"
         cos, sin = self.tables
-        at = self.inputs["positions"][:, None]
+        at = self._input("positions")[:, None]
         return self._lanes("rotary", lambda r: (x[r], cos, sin, at[r]), x)
 
     def attention(
@@ -442,7 +493,7 @@ class ProgramOps:
             self._add(
                 "scatter_rows",
                 new.view(new.shape[0], -1),
-                self.inputs["kv_rows"],
+                self._input("kv_rows"),
                 out=cache.view(-1, new.shape[1] * new.shape[2]),
             )
 
@@ -469,7 +520,7 @@ class ProgramOps:
 
         # [n, kv, d] -> [n, kv, group, d]
         rows_of = [x[:, :, None].expand(heads) for x in newest or ()]
-        lengths = self.inputs["lengths"][rows].view(n, 1, 1)
+        lengths = self._input("lengths")[rows].view(n, 1, 1)
         self.build.add(
             OpCall(
                 "attention_decode",
@@ -508,11 +559,12 @@ class ProgramOps:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What a step hands back, per span in the order given."""
+    """What a step hands back, per span in the order given, per sub-step (one, unless the step
+    ran several: Layout.steps)."""
 
-    tokens: list[int]  # the token chosen from the span's last row
-    finite: list[bool]  # whether that row's logits were all finite
-    logits: torch.Tensor | None  # [spans, vocab] fp32 on the CPU, when asked for
+    tokens: list[list[int]]  # the tokens chosen from the span's last row, a sub-step each
+    finite: list[list[bool]]  # whether those rows' logits were all finite
+    logits: torch.Tensor | None  # [spans, steps, vocab] fp32 on the CPU, when asked for
 
 
 @dataclass(frozen=True)
@@ -525,9 +577,9 @@ class Launched:
 
 
 class StepProgram:
-    """The device program of one layout and parity: forward, sampling into the chain, a row sum
-    of the logits (a non-finite logit makes it non-finite) and the tick, with its inputs; the
-    activations in `fused` (of `fusable`) inside their up projections."""
+    """The device program of one layout and parity: per sub-step, the forward, sampling into the
+    chain and a row sum of the logits (a non-finite logit makes it non-finite); then the tick;
+    with its inputs; the activations in `fused` (of `fusable`) inside their up projections."""
 
     def __init__(
         self,
@@ -544,24 +596,41 @@ class StepProgram:
         """`arena`: where its activations live, shared by the programs of its parity (a step of
         one parity runs only once the step before the last has been read back)."""
         self.inputs = StepInputs(layout, rt.device)
-        feed = (chain.sampled[1 - parity, 0], chain.clock)
         build = rt.program(arena)
         sms = sm_count(rt.device)
         lanes = lanes_of(layout, model, sms)
-        ops = ProgramOps(build, model.config, pool, self.inputs, rotary, feed, fused, lanes, sms)
-        self.logits = forward(model, ops)
-        inputs = (self.logits, self.inputs["params"], self.inputs["rng"])
-        self.readback = chain.sampled[parity]  # [tokens, sums]: what the host reads
+        self.readback = chain.sampled[parity]  # [tokens, sums] x sub-steps: what the host reads
         self.host = chain.host[parity]  # ... into these words
-        out = self.readback[0, : layout.picks]
-        tokens = ops.build.add(OpCall("sample_tokens", inputs, out=out))
-        sums = self.readback[1, : layout.picks].view(torch.float32)
-        ops.build.add(OpCall("sum", (self.logits,), out=sums, dims=(1,)))
-        ops.build.add(OpCall("tick", (tokens,), out=chain.clock), after=ops.stores)
-        self.program: Program = ops.build.build()
+        sampled, stores, self.logits = chain.sampled[1 - parity, 0, 0], [], []
+        for step in range(layout.steps):
+            ops = ProgramOps(
+                build,
+                model.config,
+                pool,
+                self.inputs,
+                step,
+                rotary,
+                (sampled, chain.clock),
+                fused,
+                lanes,
+                sms,
+            )
+            logits = forward(model, ops)
+            # the last sub-step's tokens at row 0: where the next step's feed_tokens reads them
+            row = layout.steps - 1 - step
+            sampled = self.readback[0, row]
+            inputs = (logits, self.inputs["params"], self.inputs["rng"][step])
+            tokens = build.add(OpCall("sample_tokens", inputs, out=sampled[: layout.picks]))
+            sums = self.readback[1, row, : layout.picks].view(torch.float32)
+            build.add(OpCall("sum", (logits,), out=sums, dims=(1,)))
+            stores += ops.stores
+            self.logits.append(logits)
+        build.add(OpCall("tick", (tokens,), out=chain.clock), after=stores)
+        self.program: Program = build.build()
         self.layout, self.max_len = layout, pool.max_len
         # A group's KV views sit at slot 0 in the records: binding "address" s * slot_bytes
-        # (plus the view's own address, kept as the delta) points them at slot s.
+        # (plus the view's own address, kept as the delta) points them at slot s. (A layout
+        # with groups runs one sub-step: `ops` recorded all of them.)
         assert pool.keys.stride() == pool.values.stride(), "keys and values share one layout"
         self.slot_bytes = pool.keys.stride(1) * pool.keys.element_size()
         groups = layout.groups
@@ -586,14 +655,15 @@ class StepProgram:
             self.program.rebind(self.binding, addresses)
         batch = rt.submit(self.program, self.inputs.uploads)
         picks = placed.pick.tolist()
+        steps = slice(self.layout.steps - 1, None, -1)  # the sub-steps' rows, in their order
 
         def result() -> StepResult:
             batch.wait(timeout).check()
             # one copy that keeps the GIL, and numpy: each torch call lets it go (engine._Outbox)
             rt.read(self.readback, self.host)
-            tokens, sums = self.host
-            finite = np.isfinite(sums.view(np.float32)[picks])
-            logits = self.logits[picks].cpu() if keep_logits else None
-            return StepResult(tokens[picks].tolist(), finite.tolist(), logits)
+            tokens, sums = self.host[0][steps][:, picks], self.host[1][steps][:, picks]
+            finite = np.isfinite(sums.view(np.float32))
+            logits = torch.stack([x[picks] for x in self.logits], 1).cpu() if keep_logits else None
+            return StepResult(tokens.T.tolist(), finite.T.tolist(), logits)
 
         return Launched(picks, result)

@@ -15,7 +15,10 @@ One thread runs steps. A step reads as four calls:
 So on the runtime the host schedules step k + 1 while step k runs, and a request's next row is
 scheduled before its last token is known (vLLM's asynchronous scheduling): a request that eos
 or a stop string ends may run a row or two more, whose tokens are dropped; max_tokens and the
-context are counted ahead and never overrun.
+context are counted ahead and never overrun. While every running request only decodes, one
+program runs `decode_steps` steps back to back (vLLM's multi-step; device_step.py), so the
+host's per-step work is done once for that many tokens of each request; the tokens a request
+chose past its end in such a step are dropped too.
 
 Requests join and leave at step boundaries. Memory is bounded: a fixed pool of KV slots; requests
 wait in a bounded queue for a free slot (EngineFullError beyond it). `micro_ops="torch"` runs the
@@ -34,7 +37,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -87,6 +90,11 @@ class EngineConfig:
     max_len: int | None = None  # tokens one slot holds (prompt + completion); None: model's limit
     max_waiting: int = 256  # requests queued for a slot beyond this are refused
     max_step_tokens: int = 512  # new rows one step may take (bounds a step behind a long prompt)
+    # Decode steps one program runs back to back while every running request only decodes and
+    # has room for them all: the host's work a step (~5 µs a request) once for that many
+    # tokens. A request waiting for a slot may join that many steps later, and the tokens of a
+    # stream arrive that many at a time. Runtime micro-ops only.
+    decode_steps: int = 4
     micro_ops: MicroOps = "runtime"  # "torch": launch each micro-op with torch (the baseline)
 
 
@@ -202,7 +210,6 @@ class _Request:
     detok: TextStream
     stops: StopMatcher
     seed: int  # Philox key of its draws (with the token's index as counter)
-    generated: list[int] = field(default_factory=list)
     slot: int = -1  # KV slot while running
     queued: int = 0  # tokens whose keys/values the steps launched so far store in the slot
     inflight: int = 0  # tokens launched steps choose for it that were not collected yet
@@ -214,17 +221,33 @@ class _Request:
         return self.stream.cancelled
 
     @property
+    def generated(self) -> list[int]:
+        """Its tokens collected so far (its stream's)."""
+        return self.stream.tokens
+
+    @property
     def length(self) -> int:
         """Tokens of the sequence so far: prompt and generated (collected)."""
         return len(self.prompt) + len(self.generated)
 
+    def room(self, max_len: int) -> int:
+        """Tokens it may still choose, those in flight counted: what max_tokens and the context
+        leave."""
+        left = self.params.max_tokens - len(self.generated)
+        return min(left, max_len - self.length) - self.inflight
+
     def spent(self, eos: frozenset[int], max_len: int) -> bool:
         """Whether its tokens so far, those still in flight counted, end it (eos, max_tokens,
         the context), before its text is looked at: it must not run another row."""
-        chosen = len(self.generated) + self.inflight
         eos_seen = not self.inflight and bool(self.generated) and self.generated[-1] in eos
-        full = self.length + self.inflight >= max_len
-        return eos_seen or chosen >= self.params.max_tokens or full
+        return eos_seen or self.room(max_len) <= 0
+
+    def keep(self, count: int) -> None:
+        """Drop what it collected after its first `count` tokens (chosen past its end, in a
+        step of several)."""
+        stream = self.stream
+        for collected in (stream.tokens, stream.token_times, stream.logits or []):
+            del collected[count:]
 
     def pending_tokens(self) -> list[int]:
         """Tokens to feed next: the prompt (rest) first, then the last generated token, or the
@@ -249,6 +272,7 @@ class _Step:
     spans: tuple[Span, ...]  # per request, in order
     chooses: tuple[bool, ...]  # per request: its span ends with its last pending row (the step
     # chooses its next token; a prompt chunk before the last does not)
+    steps: int  # decode steps it runs back to back (one unless every span is one decode row)
 
     def sampling(self) -> tuple[np.ndarray, np.ndarray]:
         """sample_tokens' params (float32) and rng (int32) rows, [requests, 3] each: a request's
@@ -269,14 +293,21 @@ class _Forward(Protocol):
     """How an engine runs a step's forward and sampling."""
 
     chains: bool  # steps chain on the device: spans may hold `fed` tokens of the latest step
+    steps: int  # decode steps a step of decode rows only may run back to back
     built: int  # step programs built so far ...
     build_s: float  # ... and the seconds they took (the steps they were built for waited)
 
     def start(
-        self, spans: Sequence[Span], params: np.ndarray, rng: np.ndarray, keep_logits: bool
+        self,
+        spans: Sequence[Span],
+        params: np.ndarray,
+        rng: np.ndarray,
+        keep_logits: bool,
+        steps: int,
     ) -> Launched:
-        """Start the step; its result waits for the tokens (and, when `keep_logits`, logits) of
-        each span's last row."""
+        """Start the step, run `steps` times (1, or `self.steps` for decode spans only); its
+        result waits for the tokens (and, when `keep_logits`, logits) of each span's last row,
+        a sub-step each."""
         ...
 
     def resync(self) -> None:
@@ -288,21 +319,27 @@ class _TorchForward:
     """The forward in torch, one launch per micro-op (micro_ops="torch": the baseline); a step
     is done when `start` returns."""
 
-    chains, built, build_s = False, 0, 0.0  # nothing to build
+    chains, steps, built, build_s = False, 1, 0, 0.0  # a step at a time; nothing to build
 
     def __init__(self, model: Model, kv: KVPool) -> None:
         self.model, self.kv = model, kv
 
     def start(
-        self, spans: Sequence[Span], params: np.ndarray, rng: np.ndarray, keep_logits: bool
+        self,
+        spans: Sequence[Span],
+        params: np.ndarray,
+        rng: np.ndarray,
+        keep_logits: bool,
+        steps: int,
     ) -> Launched:
+        assert steps == 1, "the torch forward runs a step at a time"
         logits = forward(self.model, TorchOps(self.model.config, self.kv, spans))
         on = logits.device
         tokens = sample_rows(logits, torch.from_numpy(params).to(on), torch.from_numpy(rng).to(on))
         done = StepResult(
-            tokens.tolist(),
-            logits.isfinite().all(-1).tolist(),
-            logits.cpu() if keep_logits else None,
+            tokens[:, None].tolist(),
+            logits.isfinite().all(-1, keepdim=True).tolist(),
+            logits[:, None].cpu() if keep_logits else None,
         )
         return Launched(list(range(len(spans))), lambda: done)
 
@@ -334,10 +371,14 @@ class _ProgramForward:
         kv: KVPool,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         step_tokens: int,
+        steps: int,
     ) -> None:
-        """`step_tokens`: the most tokens a step takes (EngineConfig.max_step_tokens)."""
+        """`step_tokens`: the most tokens a step takes (EngineConfig.max_step_tokens); `steps`:
+        the decode steps a program may run back to back (EngineConfig.decode_steps)."""
         self.runtime, self.model, self.kv, self.rotary = runtime, model, kv, rotary
-        self.chain = StepChain(Layout.most_picks(kv.slots, step_tokens), runtime.device)
+        self.steps = steps
+        picks = Layout.most_picks(kv.slots, step_tokens)
+        self.chain = StepChain(picks, steps, runtime.device)
         self._programs: OrderedDict[tuple[Layout, int, frozenset[str]], StepProgram] = OrderedDict()
         self._arenas = (Arena(runtime.device), Arena(runtime.device))  # per parity
         self._last: Launched | None = None
@@ -348,14 +389,19 @@ class _ProgramForward:
         # Decode-only steps' programs, built now: a request joining would otherwise hold every
         # stream for two whole-program builds (a parity each), as vLLM captures its CUDA graphs
         # per batch size at start.
-        for layout in Layout.decoding(kv.slots):
+        for layout in Layout.decoding(kv.slots, steps):
             for parity in (0, 1):
                 self._program(layout, parity)
 
     def start(
-        self, spans: Sequence[Span], params: np.ndarray, rng: np.ndarray, keep_logits: bool
+        self,
+        spans: Sequence[Span],
+        params: np.ndarray,
+        rng: np.ndarray,
+        keep_logits: bool,
+        steps: int,
     ) -> Launched:
-        program = self._program(Layout.of(spans, self.kv.slots), self.chain.parity)
+        program = self._program(Layout.of(spans, self.kv.slots, steps), self.chain.parity)
         expect = self.chain.next()
         self._last = program.start(self.runtime, spans, params, rng, keep_logits, 60, expect)
         return self._last
@@ -427,17 +473,21 @@ class Engine:
                 self.kv,
                 rotary_tables(model, self.max_len),
                 self.config.max_step_tokens,
+                self.config.decode_steps,
             )
         )
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
-        self._unsent: list[tuple[_Request, int]] = []  # tokens chosen, text not yet emitted
+        # Tokens collected whose text is not emitted yet: (request, how many of its tokens are
+        # collected up to this one), or (request, -1): the next token's logits were not finite.
+        self._unsent: list[tuple[_Request, int]] = []
         self._outbox = _Outbox()  # deltas for event loops, handed over after each step
         self._inflight: tuple[_Step, Launched] | None = None  # launched, not collected (chained)
         self._lock = threading.Condition()
         self._closed = False
         self._cancels = False  # a stream was cancelled since the last look: _schedule looks
-        self.steps = self.tokens = 0  # steps run, tokens generated (for /v1/stats)
+        # steps run (a program of several counts each), programs launched, tokens generated
+        self.steps = self.launches = self.tokens = 0
         # Seconds of the step loop on the host and blocked on a launched step's tokens: a
         # replica whose waits shrink towards nothing is bound by its host, not its device.
         self.host_s = self.wait_s = 0.0
@@ -532,14 +582,15 @@ class Engine:
             )
 
     def stats(self) -> dict[str, int]:
-        """Requests running and waiting now; steps, tokens, step programs built and the
-        milliseconds building them took, and the step loop's milliseconds on the host and
-        waiting for the device, so far."""
+        """Requests running and waiting now; steps, step programs launched (one may run several
+        steps), tokens, step programs built and the milliseconds building them took, and the
+        step loop's milliseconds on the host and waiting for the device, so far."""
         with self._lock:
             return {
                 "running": len(self._running),
                 "waiting": len(self._waiting),
                 "steps": self.steps,
+                "launches": self.launches,
                 "tokens": self.tokens,
                 "programs": self._forward.built,
                 "program_build_ms": round(1000 * self._forward.build_s),
@@ -589,14 +640,15 @@ class Engine:
             out = done[1].result()
             waited = time.perf_counter() - waiting
             self._collect(done[0], out)
-            self.steps += 1
+            self.steps += done[0].steps
         self._emit()
         self.wait_s += waited
         self.host_s += time.perf_counter() - began - waited
 
     def _schedule(self) -> _Step | None:
         """Admit waiting requests into free slots, drop cancelled ones, take every running
-        request's pending rows (at most max_step_tokens in all, prompts chunked)."""
+        request's pending rows (at most max_step_tokens in all, prompts chunked); run the step
+        `_forward.steps` times where each request brings one decode row and has room for them."""
         if self._cancels:
             self._cancels = False  # before looking: a cancel from now on is seen next step
             with self._lock:  # submit appends to _waiting from other threads
@@ -609,6 +661,7 @@ class Engine:
                 request.slot = heapq.heappop(self._free)
                 self._running.append(request)
         budget, requests, spans, chooses = self.config.max_step_tokens, [], [], []
+        steps = self._forward.steps  # while every request takes them
         for r in self._running:
             if budget <= 0:
                 break
@@ -620,36 +673,58 @@ class Engine:
             spans.append(Span(r.slot, r.queued, tuple(take)))
             chooses.append(len(take) == len(pending))
             budget -= len(take)
+            if steps > 1 and (len(pending) > 1 or r.room(self.max_len) < steps):
+                steps = 1
         if not requests:
             return None
-        return _Step(tuple(requests), tuple(spans), tuple(chooses))
+        return _Step(tuple(requests), tuple(spans), tuple(chooses), steps)
 
     # -- the forward ---------------------------------------------------------------------------
     def _launch(self, step: _Step) -> Launched:
         """Start the step; its result waits for the tokens (and, when a stream keeps them,
-        logits) of each span's last row. The requests count its rows as queued and the tokens
-        it chooses as in flight."""
+        logits) of each span's last row, a sub-step each. The requests count its rows as queued
+        and the tokens it chooses as in flight."""
         params, rng = step.sampling()
         keep = any(r.stream.logits is not None for r in step.requests)
-        launched = self._forward.start(step.spans, params, rng, keep)
+        launched = self._forward.start(step.spans, params, rng, keep, step.steps)
+        self.launches += 1
+        later = step.steps - 1  # rows of the sub-steps after the first: one a request
         for r, span, chooses, pick in zip(step.requests, step.spans, step.chooses, launched.picks):
-            r.queued += len(span.tokens)
+            r.queued += len(span.tokens) + later
             if chooses:
-                r.inflight, r.feed = r.inflight + 1, pick
+                r.inflight, r.feed = r.inflight + step.steps, pick
         return launched
 
     # -- sampling and output -------------------------------------------------------------------
     def _collect(self, step: _Step, out: StepResult) -> None:
-        """Take the step's tokens: requests that fed their last pending row get one (its text
-        waits for the next _emit); non-finite logits end their request now."""
+        """Take the step's tokens: requests that fed their last pending row get one a sub-step
+        (their text waits for the next _emit); non-finite logits end their request there, after
+        the text of the tokens before them."""
         now = time.perf_counter()
         for i, (r, chooses) in enumerate(zip(step.requests, step.chooses)):
             if not chooses:
                 continue  # a prompt chunk
-            r.inflight -= 1
+            r.inflight -= step.steps
             if r.finished:
-                continue  # ended meanwhile: its row ran for nothing
-            if not out.finite[i]:
+                continue  # ended meanwhile: its rows ran for nothing
+            for j, token in enumerate(out.tokens[i]):
+                if not out.finite[i][j]:
+                    self._unsent.append((r, -1))
+                    break
+                if out.logits is not None and r.stream.logits is not None:
+                    r.stream.logits.append(out.logits[i, j])
+                r.generated.append(token)
+                r.stream.token_times.append(now)
+                self._unsent.append((r, len(r.generated)))
+
+    def _emit(self) -> None:
+        """Text of the tokens taken so far: detokenize, match stop strings, stream, and end the
+        requests they end."""
+        unsent, self._unsent = self._unsent, []
+        for r, count in unsent:
+            if r.finished:
+                continue
+            if count < 0:
                 self._finish(
                     r,
                     "",
@@ -658,35 +733,27 @@ class Engine:
                     f"token {len(r.generated)} hold NaN or infinity (an operator the "
                     "model uses produced them)",
                 )
-                continue
-            if out.logits is not None and r.stream.logits is not None:
-                r.stream.logits.append(out.logits[i])
-            r.generated.append(out.tokens[i])
-            r.stream.tokens.append(out.tokens[i])
-            r.stream.token_times.append(now)
-            self.tokens += 1
-            self._unsent.append((r, out.tokens[i]))
+            else:
+                self._advance(r, count)
 
-    def _emit(self) -> None:
-        """Text of the tokens taken so far: detokenize, match stop strings, stream, and end the
-        requests they end."""
-        unsent, self._unsent = self._unsent, []
-        for r, token in unsent:
-            if not r.finished:
-                self._advance(r, token)
-
-    def _advance(self, r: _Request, token: int) -> None:
-        """One token's text; `r.generated` already holds it."""
+    def _advance(self, r: _Request, count: int) -> None:
+        """The text of its `count`-th token (its first `count` tokens are collected); a token
+        that ends it drops those collected after it."""
+        token = r.generated[count - 1]
+        self.tokens += 1
         if token in self.tokenizer.eos_ids:
+            r.keep(count)
             self._finish(r, r.stops.flush(), "stop")
             return
         text, stopped = r.stops.feed(r.detok.push(token))
         if stopped:
+            r.keep(count)
             self._finish(r, text, "stop")
-        elif len(r.generated) >= r.params.max_tokens or r.length >= self.max_len:
+        elif count >= r.params.max_tokens or len(r.prompt) + count >= self.max_len:
+            r.keep(count)
             self._finish(r, text + r.stops.flush(), "length")
         elif text:
-            r.stream.put(Delta(text, None, len(r.prompt), len(r.generated)))
+            r.stream.put(Delta(text, None, len(r.prompt), count))
 
     def _finish(self, r: _Request, text: str, reason: str, error: str | None = None) -> None:
         """Send the last delta and give the request's slot back (or take it off the queue)."""

@@ -98,6 +98,8 @@ def test_engine_logits_equal_the_reference_forward(
             assert len(generated) == GREEDY.max_tokens
             expected = reference_logits(model, prompt, generated)
             torch.testing.assert_close(torch.stack(logits), expected, rtol=1e-4, atol=1e-4)
+        if micro_ops == "runtime":  # the decode steps ran several to a program
+            assert engine.stats()["launches"] < engine.stats()["steps"]
     finally:
         engine.close()
 
@@ -163,14 +165,20 @@ def test_a_step_runs_in_one_lane_where_lanes_would_crowd_the_worker(model_dir: P
 
 
 def test_decode_programs_are_built_at_start(model_dir: Path, runtime: Runtime) -> None:
-    """Every decode-only layout has its programs once the engine is up, so requests joining and
-    leaving never hold the streams for a decode build: generating adds prefill programs only."""
+    """Every decode-only layout has its programs, of one step and of decode_steps, once the
+    engine is up, so requests joining and leaving never hold the streams for a decode build:
+    generating adds prefill programs only."""
     engine = start(device_model(model_dir, runtime), runtime, max_running=6)
     try:
         forward = engine._forward
         assert isinstance(forward, _ProgramForward)
         fused = fusable(runtime.table)
-        decoding = {(Layout(rows, 0), parity, fused) for rows in (1, 2, 4, 6) for parity in (0, 1)}
+        decoding = {
+            (Layout(rows, 0, steps), parity, fused)
+            for rows in (1, 2, 4, 6)
+            for steps in (1, EngineConfig.decode_steps)
+            for parity in (0, 1)
+        }
         assert set(forward._programs) == decoding
         run_together(engine, prompts([3, 9, 1, 5, 7, 4]), GREEDY)
         assert {key for key in forward._programs if not key[0].groups} == decoding
@@ -241,13 +249,13 @@ def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
             spans = [Span(slot, 0, tuple(p)) for slot, p in zip(slots, batch)]
             greedy = np.zeros((len(spans), 3), dtype=np.float32)
             rng = np.zeros((len(spans), 3), dtype=np.int32)
-            logits = forward.start(spans, greedy, rng, keep_logits=True).result().logits
+            logits = forward.start(spans, greedy, rng, keep_logits=True, steps=1).result().logits
             assert logits is not None
-            for row, prompt in zip(logits, batch):
+            for row, prompt in zip(logits[:, 0], batch):
                 assert_last_row_logits(model, prompt, row)
         assert [key[0] for key in forward._programs if key[0].groups] == [layout] * 2
         # what /v1/stats reports: the decode programs of the start, then one build per parity
-        assert engine.stats()["programs"] == 2 * len(Layout.decoding(4)) + 2
+        assert engine.stats()["programs"] == 2 * len(Layout.decoding(4, 4)) + 2
     finally:
         engine.close()
 
@@ -261,6 +269,40 @@ def test_seed_makes_sampling_reproducible(engine: Engine) -> None:
     ids = [(list(s), s.tokens)[1] for s in streams]
     assert ids[0] == ids[1] and len(ids[0]) == 12
     assert any(other != ids[0] for other in ids[2:])  # (the tiny model's distributions are peaked)
+
+
+def test_decode_steps_run_together_give_what_single_steps_give(
+    model_dir: Path, runtime: Runtime
+) -> None:
+    """Decode steps run four to a program choose the tokens that steps run one at a time do:
+    seeded draws, a stop string met inside a program (the tokens after it dropped, not counted),
+    max_tokens that is no multiple of four; with fewer programs launched."""
+    model = device_model(model_dir, runtime)
+    batch = prompts([5, 9, 3], seed=5)
+    sampled = SamplingParams(max_tokens=11, temperature=1.5, seed=9)
+    greedy = SamplingParams(max_tokens=13, temperature=0.0)
+
+    def generate(steps: int) -> tuple[list[tuple[str, Delta, list[int]]], dict[str, int]]:
+        engine = start(model, runtime, max_running=4, decode_steps=steps)
+        try:
+            full, _ = engine.generate(batch[0], greedy)
+            stopped = SamplingParams(max_tokens=13, temperature=0.0, stop=[full[6:8]])
+            streams = engine.submit_many(batch, sampled) + engine.submit_many(batch[:1], stopped)
+            out = []
+            for stream in streams:
+                deltas = list(stream)
+                out.append(("".join(d.text for d in deltas), deltas[-1], stream.tokens))
+            return out, engine.stats()
+        finally:
+            engine.close()
+
+    (one, one_stats), (four, four_stats) = generate(1), generate(4)
+    assert one == four
+    assert [last.finish_reason for _, last, _ in four] == ["length"] * 3 + ["stop"]
+    assert all(last.completion_tokens == len(tokens) for _, last, tokens in four)
+    assert one_stats["steps"] == one_stats["launches"]
+    assert four_stats["launches"] < four_stats["steps"] == one_stats["steps"]
+    assert four_stats["tokens"] == one_stats["tokens"]
 
 
 def test_max_tokens_finishes_with_length(engine: Engine) -> None:
