@@ -3,7 +3,7 @@
 in turn), read as stages (a task's records) along the program's critical path. Needs CUDA.
 
     python3 bench/step_trace.py --out bench/results [--shape gpt2] [--rows 1 64] [--reps 30]
-        [--max-len 128] [--prefill PROMPTS TOKENS] [--raw DIR]
+        [--max-len 128] [--steps N] [--prefill PROMPTS TOKENS] [--raw DIR]
 
 Per program: the median wall time of a run (submit to completion, traced worker), then along the
 critical path of its last run (walking back from the last record to finish, each time to the
@@ -260,15 +260,17 @@ def chain(rt: Runtime, ops: list[str], n: int, hidden: int, dtype: torch.dtype) 
     return build.build()
 
 
-def step(rt: Runtime, shape: str, spans: list[Span], max_len: int, where: Path) -> Program:
+def step(
+    rt: Runtime, shape: str, spans: list[Span], max_len: int, steps: int, where: Path
+) -> Program:
     """The step program of `spans` (one KV slot each, numbered from 0) in KV slots of `max_len`
-    tokens, its inputs written once."""
+    tokens, run `steps` times (decode spans only beyond one), its inputs written once."""
     model = make_model(shape, "cuda", where / shape)
     slots = len(spans)
     pool = KVPool.allocate(model.config, slots, max_len, model.dtype, "cuda")
     pool.keys.normal_()
     pool.values.normal_()
-    layout = Layout.of(spans, slots)
+    layout = Layout.of(spans, slots, steps)
     chain = StepChain(layout.picks, layout.steps, rt.device)
     tables = rotary_tables(model, max_len)
     arena = Arena(rt.device)
@@ -299,6 +301,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--max-len", type=int, default=128, help="tokens a KV slot holds")
     ap.add_argument(
+        "--steps", type=int, default=1, help="decode steps a decode program runs back to back"
+    )
+    ap.add_argument(
         "--prefill",
         type=int,
         nargs=2,
@@ -324,16 +329,17 @@ def main() -> None:
                     args.raw,
                 )
             )
-        steps = [(f"{rows} decode rows", decoding(rows)) for rows in args.rows]
+        times = f" x {args.steps} steps" if args.steps > 1 else ""
+        steps = [(f"{rows} decode rows{times}", decoding(rows), args.steps) for rows in args.rows]
         if args.prefill:
             prompts, tokens = args.prefill
-            steps.append((f"{prompts} prompts of {tokens}", prefilling(prompts, tokens)))
-        for what, spans in steps:
+            steps.append((f"{prompts} prompts of {tokens}", prefilling(prompts, tokens), 1))
+        for what, spans, runs in steps:
             results.append(
                 measure(
                     rt,
                     f"{args.shape} step, {what}, slots of {args.max_len}",
-                    step(rt, args.shape, spans, args.max_len, Path(tmp)),
+                    step(rt, args.shape, spans, args.max_len, runs, Path(tmp)),
                     args.reps,
                     args.raw,
                 )

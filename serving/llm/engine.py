@@ -18,7 +18,7 @@ or a stop string ends may run a row or two more, whose tokens are dropped; max_t
 context are counted ahead and never overrun. While every running request only decodes, one
 program runs `decode_steps` steps back to back (vLLM's multi-step; device_step.py), so the
 host's per-step work is done once for that many tokens of each request; the tokens a request
-chose past its end in such a step are dropped too.
+chose past its end in such a step (eos, a stop string, max_tokens) are dropped too.
 
 Requests join and leave at step boundaries. Memory is bounded: a fixed pool of KV slots; requests
 wait in a bounded queue for a free slot (EngineFullError beyond it). `micro_ops="torch"` runs the
@@ -91,9 +91,10 @@ class EngineConfig:
     max_waiting: int = 256  # requests queued for a slot beyond this are refused
     max_step_tokens: int = 512  # new rows one step may take (bounds a step behind a long prompt)
     # Decode steps one program runs back to back while every running request only decodes and
-    # has room for them all: the host's work a step (~5 µs a request) once for that many
-    # tokens. A request waiting for a slot may join that many steps later, and the tokens of a
-    # stream arrive that many at a time. Runtime micro-ops only.
+    # its KV slot has room for them all: the host's work a step (~5 µs a request) once for that
+    # many tokens. A request waiting for a slot may join that many steps later, the tokens of a
+    # stream arrive that many at a time, and a request's last ones up to that many steps late
+    # (those past max_tokens are chosen and dropped). Runtime micro-ops only.
     decode_steps: int = 4
     micro_ops: MicroOps = "runtime"  # "torch": launch each micro-op with torch (the baseline)
 
@@ -231,16 +232,16 @@ class _Request:
         return len(self.prompt) + len(self.generated)
 
     def room(self, max_len: int) -> int:
-        """Tokens it may still choose, those in flight counted: what max_tokens and the context
-        leave."""
-        left = self.params.max_tokens - len(self.generated)
-        return min(left, max_len - self.length) - self.inflight
+        """Rows its KV slot has left, those of tokens in flight counted (a step never writes
+        past them)."""
+        return max_len - self.length - self.inflight
 
     def spent(self, eos: frozenset[int], max_len: int) -> bool:
         """Whether its tokens so far, those still in flight counted, end it (eos, max_tokens,
         the context), before its text is looked at: it must not run another row."""
         eos_seen = not self.inflight and bool(self.generated) and self.generated[-1] in eos
-        return eos_seen or self.room(max_len) <= 0
+        chosen = len(self.generated) + self.inflight
+        return eos_seen or chosen >= self.params.max_tokens or self.room(max_len) <= 0
 
     def keep(self, count: int) -> None:
         """Drop what it collected after its first `count` tokens (chosen past its end, in a
@@ -648,7 +649,8 @@ class Engine:
     def _schedule(self) -> _Step | None:
         """Admit waiting requests into free slots, drop cancelled ones, take every running
         request's pending rows (at most max_step_tokens in all, prompts chunked); run the step
-        `_forward.steps` times where each request brings one decode row and has room for them."""
+        `_forward.steps` times where each request brings one decode row and its KV slot has
+        room for them (tokens past its max_tokens are chosen and dropped)."""
         if self._cancels:
             self._cancels = False  # before looking: a cancel from now on is seen next step
             with self._lock:  # submit appends to _waiting from other threads
