@@ -351,17 +351,19 @@ class _TorchForward:
 class _ProgramForward:
     """The forward as one device program on the runtime per layout of spans, parity and set of
     activations fused into their up projections (device_step.fusable: it changes when the GELU
-    operator is swapped or rolled back): decode layouts built at start, others on first use (the
-    last PROGRAMS kept); steps chain on the device (device_step.StepChain). The programs of a
-    parity share their activations' memory (an Arena), so a program kept costs its records and
-    its linears' split-K workspaces."""
+    operator is swapped or rolled back): decode layouts built at start and kept, others on first
+    use (the last PROGRAMS kept); steps chain on the device (device_step.StepChain). The
+    programs of a parity share their activations' memory (an Arena), so a program kept costs
+    its records and its linears' split-K workspaces."""
 
-    # Step programs kept (by layout and parity; the least recently used is dropped): 64 slots
-    # under the H200 completions load test met 41 with 128 kept, but rebuilt 98-144 times in 30 s
-    # with 64 kept, and a build holds every stream (~0.1 s for GPT-2 small there). Each costs its
-    # records and its linears' and attention's split-K workspaces: for GPT-2 small at most the
-    # ~57 MB measured when its K = 768 linears were split (2.3 GB for the 41, ~7 GB for 128);
-    # unsplit, its linears' share at 64 rows is ~14 MB.
+    # Step programs of layouts with prefill rows kept (by layout and parity; the least recently
+    # used is dropped; decode-only ones are all kept, a few per fused set): 64 slots under the
+    # H200 completions load test met 41 with 128 kept, but rebuilt 98-144 times in 30 s with 64
+    # kept, and a build holds every stream (~0.1 s for GPT-2 small there); when the decode
+    # programs of several steps counted among the 128, 159-167 builds in 25 s against 74-87
+    # (s173). Each costs its records and its linears' and attention's split-K workspaces: for
+    # GPT-2 small at most the ~57 MB measured when its K = 768 linears were split (2.3 GB for
+    # the 41, ~7 GB for 128); unsplit, its linears' share at 64 rows is ~14 MB.
     PROGRAMS = 128
     chains = True
 
@@ -439,8 +441,9 @@ class _ProgramForward:
         )
         self.built, self.build_s = self.built + 1, self.build_s + time.perf_counter() - began
         self._programs[key] = program
-        if len(self._programs) > self.PROGRAMS:
-            self._programs.popitem(last=False)
+        prefill = [k for k in self._programs if k[0].groups]  # least recently used first
+        if len(prefill) > self.PROGRAMS:
+            del self._programs[prefill[0]]
         return program
 
 

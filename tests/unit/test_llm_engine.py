@@ -260,6 +260,30 @@ def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
         engine.close()
 
 
+def test_the_least_recently_used_prefill_programs_go_and_decode_programs_stay(
+    model_dir: Path, runtime: Runtime
+) -> None:
+    """Past PROGRAMS programs of layouts with prefill rows, the least recently used is dropped
+    (and built again when met again); the decode programs built at start are never dropped."""
+    model = device_model(model_dir, runtime)
+    engine = start(model, runtime, max_running=4)
+    try:
+        forward = engine._forward
+        assert isinstance(forward, _ProgramForward)
+        decoding = set(forward._programs)
+        forward.PROGRAMS = 2  # one layout's two parities
+        greedy, rng = np.zeros((1, 3), dtype=np.float32), np.zeros((1, 3), dtype=np.int32)
+        for length in (6, 40, 6):  # one group, three groups, one group again
+            for _ in range(2):
+                span = Span(0, 0, tuple(prompts([length])[0]))
+                forward.start([span], greedy, rng, keep_logits=False, steps=1).result()
+        prefill = {key[0] for key in forward._programs if key[0].groups}
+        assert prefill == {Layout(0, 1)} and decoding <= set(forward._programs)
+        assert engine.stats()["programs"] == len(decoding) + 6
+    finally:
+        engine.close()
+
+
 def test_seed_makes_sampling_reproducible(engine: Engine) -> None:
     prompt = prompts([6])[0]
     streams = [
