@@ -278,7 +278,8 @@ def step(
     params = np.zeros((len(spans), 3), dtype=np.float32)
     rng = np.zeros((len(spans), 3), dtype=np.int32)
     # every run waits for a clock value of 0 (its own ticks only move the clock past it)
-    sp.inputs.write(spans, sp.layout.place(spans), pool.max_len, params, rng, expect=0)
+    takes = [layout.steps] * len(spans)
+    sp.inputs.write(spans, takes, sp.layout.place(spans), pool.max_len, params, rng, expect=0)
     sp.inputs.device.copy_(sp.inputs.host)  # once: the runs below submit the program alone
     return sp.program
 

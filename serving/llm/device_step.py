@@ -29,8 +29,9 @@ one running step k.
 
 A decode-only layout may run `steps` decode steps back to back in one program (vLLM's
 multi-step): sub-step j's rows take the tokens sub-step j - 1 sampled (a `feed_tokens` inside the
-program), at positions, KV rows, lengths and draws one further each; the host writes every
-sub-step's inputs with the one copy, and reads back each sub-step's tokens at the end. So the
+program), at positions, KV rows, lengths and draws one further each; a row whose request has
+fewer tokens left idles in the sub-steps past them. The host writes every sub-step's inputs with
+the one copy, and reads back each sub-step's tokens at the end. So the
 host's work for a step (scheduling, writing inputs, launching, reading back) is done once for
 `steps` tokens of every request.
 """
@@ -246,15 +247,17 @@ class StepInputs:
     def write(
         self,
         spans: Sequence[Span],
+        takes: Sequence[int],
         placed: Placement,
         max_len: int,
         params: np.ndarray,
         rng: np.ndarray,
         expect: int,
     ) -> None:
-        """Fill the host words for `spans` where `placed` puts them (params float32 and rng
-        int32, [spans, 3] each: the first sub-step's draws), idle rows and greedy idle picks
-        elsewhere, and the clock value to wait for; `uploads` takes them to the device."""
+        """Fill the host words for `spans` where `placed` puts them, each span's row for the
+        first `takes` sub-steps (params float32 and rng int32, [spans, 3] each: the first
+        sub-step's draws), idle rows and greedy idle picks elsewhere, and the clock value to
+        wait for; `uploads` takes them to the device."""
         host = self._host
         host["expect"][0] = expect
         for name in ("tokens", "positions", "kv_rows"):
@@ -276,18 +279,19 @@ class StepInputs:
         host["params"].view(np.float32).reshape(-1, 3)[placed.pick] = params
         host["rng"].reshape(self.layout.steps, -1, 3)[0, placed.pick] = rng
         if self.layout.steps > 1:
-            self._later_steps(placed)
+            self._later_steps(placed, np.asarray(takes))
 
-    def _later_steps(self, placed: Placement) -> None:
-        """Sub-steps 1.. of a decode-only layout, from the first's words: each row takes the
-        token its logits row sampled in the sub-step before, one position (KV row, length, draw)
-        further."""
+    def _later_steps(self, placed: Placement, takes: np.ndarray) -> None:
+        """Sub-steps 1.. of a decode-only layout, from the first's words: each row in the first
+        `takes` sub-steps takes the token its logits row sampled in the sub-step before, one
+        position (KV row, length, draw) further; idle after them."""
         host, k = self._host, self.layout.steps
         rows, later = placed.first, np.arange(1, k)[:, None]
-        host["tokens"].reshape(k, -1)[1:, rows] = fed(placed.pick)
-        for name in ("positions", "kv_rows", "lengths"):
+        on = takes[None, :] > later  # [sub-steps 1.., spans]
+        host["tokens"].reshape(k, -1)[1:, rows] = np.where(on, fed(placed.pick), IDLE)
+        for name, idle in (("positions", IDLE), ("kv_rows", IDLE), ("lengths", 0)):
             grid = host[name].reshape(k, -1)
-            grid[1:, rows] = grid[0, rows] + later
+            grid[1:, rows] = np.where(on, grid[0, rows] + later, idle)
         rng = host["rng"].reshape(k, -1, 3)
         rng[1:, placed.pick] = rng[0, placed.pick]
         rng[1:, placed.pick, 2] += later.astype(np.int32)  # the draw's counter
@@ -562,7 +566,7 @@ class StepResult:
     """What a step hands back, per span in the order given, per sub-step (one, unless the step
     ran several: Layout.steps)."""
 
-    tokens: list[list[int]]  # the tokens chosen from the span's last row, a sub-step each
+    tokens: list[list[int]]  # the tokens chosen from the span's last row, a sub-step each it ran
     finite: list[list[bool]]  # whether those rows' logits were all finite
     logits: torch.Tensor | None  # [spans, steps, vocab] fp32 on the CPU, when asked for
 
@@ -640,16 +644,18 @@ class StepProgram:
         self,
         rt: Runtime,
         spans: Sequence[Span],
+        takes: Sequence[int],
         params: np.ndarray,
         rng: np.ndarray,
         keep_logits: bool,
         timeout: float,
         expect: int,
     ) -> Launched:
-        """Write the step's inputs (`expect`: the clock value of the previous step's tick) and
-        submit the program; the result waits for it and reads back the spans' tokens."""
+        """Write the step's inputs (each span's row for its first `takes` sub-steps; `expect`:
+        the clock value of the previous step's tick) and submit the program; the result waits
+        for it and reads back the spans' tokens, `takes` each."""
         placed = self.layout.place(spans)
-        self.inputs.write(spans, placed, self.max_len, params, rng, expect)
+        self.inputs.write(spans, takes, placed, self.max_len, params, rng, expect)
         if self.binding is not None:
             addresses = placed.slots.astype(np.uint64) * np.uint64(self.slot_bytes)
             self.program.rebind(self.binding, addresses)
@@ -664,6 +670,10 @@ class StepProgram:
             tokens, sums = self.host[0][steps][:, picks], self.host[1][steps][:, picks]
             finite = np.isfinite(sums.view(np.float32))
             logits = torch.stack([x[picks] for x in self.logits], 1).cpu() if keep_logits else None
-            return StepResult(tokens.T.tolist(), finite.T.tolist(), logits)
+            return StepResult(
+                [row[:n] for row, n in zip(tokens.T.tolist(), takes)],
+                [row[:n] for row, n in zip(finite.T.tolist(), takes)],
+                logits,
+            )
 
         return Launched(picks, result)

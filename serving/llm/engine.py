@@ -17,8 +17,9 @@ scheduled before its last token is known (vLLM's asynchronous scheduling): a req
 or a stop string ends may run a row or two more, whose tokens are dropped; max_tokens and the
 context are counted ahead and never overrun. While every running request only decodes, one
 program runs `decode_steps` steps back to back (vLLM's multi-step; device_step.py), so the
-host's per-step work is done once for that many tokens of each request; the tokens a request
-chose past its end in such a step (eos, a stop string, max_tokens) are dropped too.
+host's per-step work is done once for that many tokens of each request (each request's rows
+run as many of them as its max_tokens and context leave); the tokens a request chose past an eos
+or a stop string in such a step are dropped too.
 
 Requests join and leave at step boundaries. Memory is bounded: a fixed pool of KV slots; requests
 wait in a bounded queue for a free slot (EngineFullError beyond it). `micro_ops="torch"` runs the
@@ -90,11 +91,11 @@ class EngineConfig:
     max_len: int | None = None  # tokens one slot holds (prompt + completion); None: model's limit
     max_waiting: int = 256  # requests queued for a slot beyond this are refused
     max_step_tokens: int = 512  # new rows one step may take (bounds a step behind a long prompt)
-    # Decode steps one program runs back to back while every running request only decodes and
-    # its KV slot has room for them all: the host's work a step (~5 µs a request) once for that
-    # many tokens. A request waiting for a slot may join that many steps later, the tokens of a
-    # stream arrive that many at a time, and a request's last ones up to that many steps late
-    # (those past max_tokens are chosen and dropped). Runtime micro-ops only.
+    # Decode steps one program runs back to back while every running request only decodes (and
+    # one of them has that many tokens left): the host's work a step (~5 µs a request) once for
+    # that many tokens. A request waiting for a slot may join that many steps later, and the
+    # tokens of a stream arrive that many at a time (its last ones up to that many steps late).
+    # Runtime micro-ops only.
     decode_steps: int = 4
     micro_ops: MicroOps = "runtime"  # "torch": launch each micro-op with torch (the baseline)
 
@@ -232,16 +233,16 @@ class _Request:
         return len(self.prompt) + len(self.generated)
 
     def room(self, max_len: int) -> int:
-        """Rows its KV slot has left, those of tokens in flight counted (a step never writes
-        past them)."""
-        return max_len - self.length - self.inflight
+        """Tokens it may still choose, those in flight counted: what max_tokens and the context
+        leave."""
+        left = self.params.max_tokens - len(self.generated)
+        return min(left, max_len - self.length) - self.inflight
 
     def spent(self, eos: frozenset[int], max_len: int) -> bool:
         """Whether its tokens so far, those still in flight counted, end it (eos, max_tokens,
         the context), before its text is looked at: it must not run another row."""
         eos_seen = not self.inflight and bool(self.generated) and self.generated[-1] in eos
-        chosen = len(self.generated) + self.inflight
-        return eos_seen or chosen >= self.params.max_tokens or self.room(max_len) <= 0
+        return eos_seen or self.room(max_len) <= 0
 
     def keep(self, count: int) -> None:
         """Drop what it collected after its first `count` tokens (chosen past its end, in a
@@ -273,7 +274,13 @@ class _Step:
     spans: tuple[Span, ...]  # per request, in order
     chooses: tuple[bool, ...]  # per request: its span ends with its last pending row (the step
     # chooses its next token; a prompt chunk before the last does not)
-    steps: int  # decode steps it runs back to back (one unless every span is one decode row)
+    takes: tuple[int, ...]  # per request: the decode steps its row runs back to back (one
+    # unless every span is one decode row; then as many of the step's as its room allows)
+
+    @property
+    def steps(self) -> int:
+        """Decode steps the step's program runs back to back."""
+        return max(self.takes)
 
     def sampling(self) -> tuple[np.ndarray, np.ndarray]:
         """sample_tokens' params (float32) and rng (int32) rows, [requests, 3] each: a request's
@@ -304,11 +311,11 @@ class _Forward(Protocol):
         params: np.ndarray,
         rng: np.ndarray,
         keep_logits: bool,
-        steps: int,
+        takes: Sequence[int],
     ) -> Launched:
-        """Start the step, run `steps` times (1, or `self.steps` for decode spans only); its
-        result waits for the tokens (and, when `keep_logits`, logits) of each span's last row,
-        a sub-step each."""
+        """Start the step, each span's row run `takes` times back to back (all 1, or for decode
+        spans only, at most `self.steps`, the most of them that); its result waits for the
+        tokens (and, when `keep_logits`, logits) of each span's last row, a run each."""
         ...
 
     def resync(self) -> None:
@@ -331,9 +338,9 @@ class _TorchForward:
         params: np.ndarray,
         rng: np.ndarray,
         keep_logits: bool,
-        steps: int,
+        takes: Sequence[int],
     ) -> Launched:
-        assert steps == 1, "the torch forward runs a step at a time"
+        assert max(takes) == 1, "the torch forward runs a step at a time"
         logits = forward(self.model, TorchOps(self.model.config, self.kv, spans))
         on = logits.device
         tokens = sample_rows(logits, torch.from_numpy(params).to(on), torch.from_numpy(rng).to(on))
@@ -402,11 +409,12 @@ class _ProgramForward:
         params: np.ndarray,
         rng: np.ndarray,
         keep_logits: bool,
-        steps: int,
+        takes: Sequence[int],
     ) -> Launched:
-        program = self._program(Layout.of(spans, self.kv.slots, steps), self.chain.parity)
+        layout = Layout.of(spans, self.kv.slots, max(takes))
+        program = self._program(layout, self.chain.parity)
         expect = self.chain.next()
-        self._last = program.start(self.runtime, spans, params, rng, keep_logits, 60, expect)
+        self._last = program.start(self.runtime, spans, takes, params, rng, keep_logits, 60, expect)
         return self._last
 
     def resync(self) -> None:
@@ -652,8 +660,8 @@ class Engine:
     def _schedule(self) -> _Step | None:
         """Admit waiting requests into free slots, drop cancelled ones, take every running
         request's pending rows (at most max_step_tokens in all, prompts chunked); run the step
-        `_forward.steps` times where each request brings one decode row and its KV slot has
-        room for them (tokens past its max_tokens are chosen and dropped)."""
+        `_forward.steps` times where each request brings one decode row and one has that many
+        tokens left, each request's row as many times as its room allows."""
         if self._cancels:
             self._cancels = False  # before looking: a cancel from now on is seen next step
             with self._lock:  # submit appends to _waiting from other threads
@@ -666,7 +674,7 @@ class Engine:
                 request.slot = heapq.heappop(self._free)
                 self._running.append(request)
         budget, requests, spans, chooses = self.config.max_step_tokens, [], [], []
-        steps = self._forward.steps  # while every request takes them
+        rooms, decoding = [], True
         for r in self._running:
             if budget <= 0:
                 break
@@ -678,11 +686,15 @@ class Engine:
             spans.append(Span(r.slot, r.queued, tuple(take)))
             chooses.append(len(take) == len(pending))
             budget -= len(take)
-            if steps > 1 and (len(pending) > 1 or r.room(self.max_len) < steps):
-                steps = 1
+            rooms.append(r.room(self.max_len))
+            decoding = decoding and len(pending) == 1
         if not requests:
             return None
-        return _Step(tuple(requests), tuple(spans), tuple(chooses), steps)
+        steps = self._forward.steps
+        if not decoding or max(rooms) < steps:
+            steps = 1
+        takes = tuple(min(steps, room) for room in rooms)
+        return _Step(tuple(requests), tuple(spans), tuple(chooses), takes)
 
     # -- the forward ---------------------------------------------------------------------------
     def _launch(self, step: _Step) -> Launched:
@@ -691,13 +703,13 @@ class Engine:
         and the tokens it chooses as in flight."""
         params, rng = step.sampling()
         keep = any(r.stream.logits is not None for r in step.requests)
-        launched = self._forward.start(step.spans, params, rng, keep, step.steps)
+        launched = self._forward.start(step.spans, params, rng, keep, step.takes)
         self.launches += 1
-        later = step.steps - 1  # rows of the sub-steps after the first: one a request
-        for r, span, chooses, pick in zip(step.requests, step.spans, step.chooses, launched.picks):
-            r.queued += len(span.tokens) + later
+        each = zip(step.requests, step.spans, step.chooses, step.takes, launched.picks)
+        for r, span, chooses, take, pick in each:
+            r.queued += len(span.tokens) + take - 1  # a decode row's later runs: one row each
             if chooses:
-                r.inflight, r.feed = r.inflight + step.steps, pick
+                r.inflight, r.feed = r.inflight + take, pick
         return launched
 
     # -- sampling and output -------------------------------------------------------------------
@@ -709,7 +721,7 @@ class Engine:
         for i, (r, chooses) in enumerate(zip(step.requests, step.chooses)):
             if not chooses:
                 continue  # a prompt chunk
-            r.inflight -= step.steps
+            r.inflight -= step.takes[i]
             if r.finished:
                 continue  # ended meanwhile: its rows ran for nothing
             for j, token in enumerate(out.tokens[i]):

@@ -249,7 +249,11 @@ def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
             spans = [Span(slot, 0, tuple(p)) for slot, p in zip(slots, batch)]
             greedy = np.zeros((len(spans), 3), dtype=np.float32)
             rng = np.zeros((len(spans), 3), dtype=np.int32)
-            logits = forward.start(spans, greedy, rng, keep_logits=True, steps=1).result().logits
+            logits = (
+                forward.start(spans, greedy, rng, keep_logits=True, takes=[1] * len(spans))
+                .result()
+                .logits
+            )
             assert logits is not None
             for row, prompt in zip(logits[:, 0], batch):
                 assert_last_row_logits(model, prompt, row)
@@ -276,7 +280,7 @@ def test_the_least_recently_used_prefill_programs_go_and_decode_programs_stay(
         for length in (6, 40, 6):  # one group, three groups, one group again
             for _ in range(2):
                 span = Span(0, 0, tuple(prompts([length])[0]))
-                forward.start([span], greedy, rng, keep_logits=False, steps=1).result()
+                forward.start([span], greedy, rng, keep_logits=False, takes=[1]).result()
         prefill = {key[0] for key in forward._programs if key[0].groups}
         assert prefill == {Layout(0, 1)} and decoding <= set(forward._programs)
         assert engine.stats()["programs"] == len(decoding) + 6
@@ -299,8 +303,9 @@ def test_decode_steps_run_together_give_what_single_steps_give(
     model_dir: Path, runtime: Runtime
 ) -> None:
     """Decode steps run four to a program choose the tokens that steps run one at a time do:
-    seeded draws, a stop string met inside a program, max_tokens that is no multiple of four
-    (the tokens chosen past either dropped, not counted); with fewer programs launched."""
+    seeded draws, a stop string met inside a program (the tokens chosen past it dropped, not
+    counted), max_tokens that is no multiple of four (a row runs only the steps its request has
+    tokens left for); with fewer programs launched."""
     model = device_model(model_dir, runtime)
     batch = prompts([5, 9, 3], seed=5)
     sampled = SamplingParams(max_tokens=11, temperature=1.5, seed=9)
