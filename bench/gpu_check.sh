@@ -28,7 +28,7 @@ fi
 if [[ "$mode" != quick ]]; then
     step micro 420 python3 bench/micro.py --out "$OUT"
     step sched 300 python3 bench/sched.py --out "$OUT"
-    step llm 600 python3 bench/llm.py --out "$OUT"
+    step llm 600 python3 bench/llm.py --decode-steps 1 4 --out "$OUT"
     step kernels 420 python3 bench/kernels.py --out "$OUT"
 fi
 # The serving load test needs Ray Serve, FastAPI and Locust, which the GPU host lacks: carry the

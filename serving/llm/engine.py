@@ -15,11 +15,11 @@ One thread runs steps. A step reads as four calls:
 So on the runtime the host schedules step k + 1 while step k runs, and a request's next row is
 scheduled before its last token is known (vLLM's asynchronous scheduling): a request that eos
 or a stop string ends may run a row or two more, whose tokens are dropped; max_tokens and the
-context are counted ahead and never overrun. While every running request only decodes, one
-program runs `decode_steps` steps back to back (vLLM's multi-step; device_step.py), so the
-host's per-step work is done once for that many tokens of each request (each request's rows
-run as many of them as its max_tokens and context leave); the tokens a request chose past an eos
-or a stop string in such a step are dropped too.
+context are counted ahead and never overrun. With `decode_steps` above 1, while every running
+request only decodes, one program runs that many steps back to back (vLLM's multi-step;
+device_step.py), so the host's per-step work is done once for that many tokens of each request
+(each request's row runs as many of them as its max_tokens and context leave); the tokens a
+request chose past an eos or a stop string in such a step are dropped too.
 
 Requests join and leave at step boundaries. Memory is bounded: a fixed pool of KV slots; requests
 wait in a bounded queue for a free slot (EngineFullError beyond it). `micro_ops="torch"` runs the
@@ -95,8 +95,10 @@ class EngineConfig:
     # one of them has that many tokens left): the host's work a step (~5 µs a request) once for
     # that many tokens. A request waiting for a slot may join that many steps later, and the
     # tokens of a stream arrive that many at a time (its last ones up to that many steps late).
-    # Runtime micro-ops only.
-    decode_steps: int = 4
+    # Runtime micro-ops only. Off by default: on the H200, 4 cut a 64-stream GPT-2 step 30%
+    # where the host's CPU was slow and changed nothing where it kept up, but cost the
+    # completions load test (short completions, arrivals every step) 10-15% (bench/NOTES.md).
+    decode_steps: int = 1
     micro_ops: MicroOps = "runtime"  # "torch": launch each micro-op with torch (the baseline)
 
 

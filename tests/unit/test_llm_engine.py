@@ -91,14 +91,15 @@ def test_engine_logits_equal_the_reference_forward(
     model_dir: Path, runtime: Runtime, micro_ops: str
 ) -> None:
     model = device_model(model_dir, runtime)
-    engine = start(model, runtime, micro_ops=micro_ops, max_running=4, max_step_tokens=24)
+    config = {"micro_ops": micro_ops, "max_running": 4, "max_step_tokens": 24, "decode_steps": 4}
+    engine = start(model, runtime, **config)
     try:
         batch = prompts([5, 17, 1, 30, 9])  # ragged; 30 is chunked over two steps
         for prompt, (generated, logits) in zip(batch, run_together(engine, batch, GREEDY)):
             assert len(generated) == GREEDY.max_tokens
             expected = reference_logits(model, prompt, generated)
             torch.testing.assert_close(torch.stack(logits), expected, rtol=1e-4, atol=1e-4)
-        if micro_ops == "runtime":  # the decode steps ran several to a program
+        if micro_ops == "runtime":  # the decode steps ran four to a program
             assert engine.stats()["launches"] < engine.stats()["steps"]
     finally:
         engine.close()
@@ -168,7 +169,7 @@ def test_decode_programs_are_built_at_start(model_dir: Path, runtime: Runtime) -
     """Every decode-only layout has its programs, of one step and of decode_steps, once the
     engine is up, so requests joining and leaving never hold the streams for a decode build:
     generating adds prefill programs only."""
-    engine = start(device_model(model_dir, runtime), runtime, max_running=6)
+    engine = start(device_model(model_dir, runtime), runtime, max_running=6, decode_steps=4)
     try:
         forward = engine._forward
         assert isinstance(forward, _ProgramForward)
@@ -176,7 +177,7 @@ def test_decode_programs_are_built_at_start(model_dir: Path, runtime: Runtime) -
         decoding = {
             (Layout(rows, 0, steps), parity, fused)
             for rows in (1, 2, 4, 6)
-            for steps in (1, EngineConfig.decode_steps)
+            for steps in (1, 4)
             for parity in (0, 1)
         }
         assert set(forward._programs) == decoding
@@ -259,7 +260,7 @@ def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
                 assert_last_row_logits(model, prompt, row)
         assert [key[0] for key in forward._programs if key[0].groups] == [layout] * 2
         # what /v1/stats reports: the decode programs of the start, then one build per parity
-        assert engine.stats()["programs"] == 2 * len(Layout.decoding(4, 4)) + 2
+        assert engine.stats()["programs"] == 2 * len(Layout.decoding(4, 1)) + 2
     finally:
         engine.close()
 
@@ -435,8 +436,7 @@ def test_requests_submitted_together_share_their_steps(
     """submit_many queues all or none, and the next step admits them together: four prompts of
     six greedy tokens take six steps (one prefill, five decode), not one set of steps each."""
     model = device_model(model_dir, runtime)
-    config = {"micro_ops": micro_ops, "max_running": 4, "max_waiting": 4, "decode_steps": 1}
-    engine = start(model, runtime, **config)
+    engine = start(model, runtime, micro_ops=micro_ops, max_running=4, max_waiting=4)
     try:
         with pytest.raises(EngineFullError, match="5 more do not fit"):
             engine.submit_many(prompts([3, 5, 2, 7, 4]), GREEDY)
