@@ -96,8 +96,8 @@ class EngineConfig:
     # that many tokens. A request waiting for a slot may join that many steps later, and the
     # tokens of a stream arrive that many at a time (its last ones up to that many steps late).
     # Runtime micro-ops only. Off by default: on the H200, 4 cut a 64-stream GPT-2 step 30%
-    # where the host's CPU was slow and changed nothing where it kept up, but cost the
-    # completions load test (short completions, arrivals every step) 10-15% (bench/NOTES.md).
+    # where the host's CPU was slow and changed nothing where it kept up; the completions load
+    # test gained 11% tokens/s at 64-token completions, lost 9-15% at 16 (bench/NOTES.md).
     decode_steps: int = 1
     micro_ops: MicroOps = "runtime"  # "torch": launch each micro-op with torch (the baseline)
 
