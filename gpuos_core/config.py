@@ -13,9 +13,9 @@ class CudaConfig:
     """Knobs of the CUDA backend (defaults measured on an H100)."""
 
     # Ring records (a power of two; 672 bytes each, on the device and pinned for staging):
-    # bounds records in flight. An LLM step program of four decode steps holds ~29k records
-    # (GPT-2 small, 64 rows) to ~50k (Llama-3.2-1B): the running one and the next must fit,
-    # or the next is published in parts as the ring frees, behind the worker (bench/NOTES.md).
+    # bounds records in flight. An LLM step program of four decode steps holds 29k records
+    # (GPT-2 small, 64 rows) to 65k (Llama-3.2-1B, 64 rows): the running one and the next must
+    # fit, or the next is published in parts as the ring frees, behind the worker (bench/NOTES.md).
     capacity: int = 1 << 17
     block_threads: int = 256  # threads of a worker block (operators need a multiple of 32)
     blocks_per_sm: int = 1  # worker blocks per SM; leaves room for torch's kernels

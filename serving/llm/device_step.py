@@ -31,9 +31,9 @@ A decode-only layout may run `steps` decode steps back to back in one program (v
 multi-step): sub-step j's rows take the tokens sub-step j - 1 sampled (a `feed_tokens` inside the
 program), at positions, KV rows, lengths and draws one further each; a row whose request has
 fewer tokens left idles in the sub-steps past them. The host writes every sub-step's inputs with
-the one copy, and reads back each sub-step's tokens at the end. So the
-host's work for a step (scheduling, writing inputs, launching, reading back) is done once for
-`steps` tokens of every request.
+the one copy, and reads back each sub-step's tokens at the end. So the host's work for a step
+(scheduling, writing inputs, launching, reading back) is done once for `steps` tokens of every
+request.
 """
 
 from __future__ import annotations
