@@ -36,7 +36,7 @@ from llm import make_model  # bench/ is the script's directory
 from gpuos_core import OpCall, Runtime, RuntimeConfig
 from gpuos_core.config import CudaConfig
 from gpuos_core.program import Arena, Program
-from serving.llm.device_step import Layout, StepChain, StepProgram, fusable
+from serving.llm.device_step import Layout, StepChain, StepProgram, StepWork, fusable
 from serving.llm.forward import Span
 from serving.llm.model import KVPool, rotary_tables
 
@@ -277,9 +277,9 @@ def step(
     sp = StepProgram(rt, model, pool, layout, tables, chain, 0, arena, fusable(rt.table))
     params = np.zeros((len(spans), 3), dtype=np.float32)
     rng = np.zeros((len(spans), 3), dtype=np.int32)
+    work = StepWork(spans, [layout.steps] * len(spans), params, rng, keep_logits=False)
     # every run waits for a clock value of 0 (its own ticks only move the clock past it)
-    takes = [layout.steps] * len(spans)
-    sp.inputs.write(spans, takes, sp.layout.place(spans), pool.max_len, params, rng, expect=0)
+    sp.inputs.write(work, sp.layout.place(spans), pool.max_len, expect=0)
     sp.inputs.device.copy_(sp.inputs.host)  # once: the runs below submit the program alone
     return sp.program
 

@@ -289,13 +289,11 @@ def stats_total(replicas: list[ReplicaStats]) -> StatsTotal:
         batches=batches,
         tasks=tasks,
         mean_batch_size=tasks / batches if batches else 0.0,
-        llm_steps=sum(r.llm_steps for r in replicas),
-        llm_launches=sum(r.llm_launches for r in replicas),
-        llm_tokens=sum(r.llm_tokens for r in replicas),
-        llm_programs=sum(r.llm_programs for r in replicas),
-        llm_program_build_ms=sum(r.llm_program_build_ms for r in replicas),
-        llm_step_host_ms=sum(r.llm_step_host_ms for r in replicas),
-        llm_step_wait_ms=sum(r.llm_step_wait_ms for r in replicas),
+        **{  # every LLM counter, summed
+            name: sum(getattr(r, name) for r in replicas)
+            for name in StatsTotal.model_fields
+            if name.startswith("llm_")
+        },
     )
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import NamedTuple, overload
 
 import numpy as np
 import torch
@@ -202,6 +202,24 @@ def decode_rows(used: int, slots: int) -> int:
     return min(power_of_two(used), slots)
 
 
+class StepWork(NamedTuple):
+    """What one step runs: the spans, each span's row run `takes` times back to back (all 1, or
+    for decode spans only up to the program's steps, the most of them that), their sampling
+    rows (params float32 and rng int32, [spans, 3] each: the first run's draws), and whether
+    the logits come back too."""
+
+    spans: Sequence[Span]
+    takes: Sequence[int]
+    params: np.ndarray
+    rng: np.ndarray
+    keep_logits: bool
+
+    @property
+    def steps(self) -> int:
+        """Decode steps its program runs back to back."""
+        return max(self.takes)
+
+
 # Inputs of each sub-step of a layout's program (StepInputs: [steps, ...]); the others are shared.
 STEPWISE = ("tokens", "positions", "kv_rows", "lengths", "rng")
 
@@ -244,20 +262,11 @@ class StepInputs:
             return view.view(self.layout.steps, -1, 3)
         return view.view(self.layout.steps, -1) if name in STEPWISE else view
 
-    def write(
-        self,
-        spans: Sequence[Span],
-        takes: Sequence[int],
-        placed: Placement,
-        max_len: int,
-        params: np.ndarray,
-        rng: np.ndarray,
-        expect: int,
-    ) -> None:
-        """Fill the host words for `spans` where `placed` puts them, each span's row for the
-        first `takes` sub-steps (params float32 and rng int32, [spans, 3] each: the first
-        sub-step's draws), idle rows and greedy idle picks elsewhere, and the clock value to
-        wait for; `uploads` takes them to the device."""
+    def write(self, work: StepWork, placed: Placement, max_len: int, expect: int) -> None:
+        """Fill the host words for `work`'s spans where `placed` puts them, each span's row for
+        its first `takes` sub-steps, idle rows and greedy idle picks elsewhere, and the clock
+        value to wait for; `uploads` takes them to the device."""
+        spans = work.spans
         host = self._host
         host["expect"][0] = expect
         for name in ("tokens", "positions", "kv_rows"):
@@ -276,10 +285,10 @@ class StepInputs:
         host["positions"][rows] = positions
         host["kv_rows"][rows] = np.repeat([s.slot for s in spans], counts) * max_len + positions
         host["lengths"][rows] = positions + 1
-        host["params"].view(np.float32).reshape(-1, 3)[placed.pick] = params
-        host["rng"].reshape(self.layout.steps, -1, 3)[0, placed.pick] = rng
+        host["params"].view(np.float32).reshape(-1, 3)[placed.pick] = work.params
+        host["rng"].reshape(self.layout.steps, -1, 3)[0, placed.pick] = work.rng
         if self.layout.steps > 1:
-            self._later_steps(placed, np.asarray(takes))
+            self._later_steps(placed, np.asarray(work.takes))
 
     def _later_steps(self, placed: Placement, takes: np.ndarray) -> None:
         """Sub-steps 1.. of a decode-only layout, from the first's words: each row in the first
@@ -640,22 +649,12 @@ class StepProgram:
         groups = layout.groups
         self.binding = self.program.binding(ops.kv_uses, [0] * groups) if groups else None
 
-    def start(
-        self,
-        rt: Runtime,
-        spans: Sequence[Span],
-        takes: Sequence[int],
-        params: np.ndarray,
-        rng: np.ndarray,
-        keep_logits: bool,
-        timeout: float,
-        expect: int,
-    ) -> Launched:
-        """Write the step's inputs (each span's row for its first `takes` sub-steps; `expect`:
-        the clock value of the previous step's tick) and submit the program; the result waits
-        for it and reads back the spans' tokens, `takes` each."""
-        placed = self.layout.place(spans)
-        self.inputs.write(spans, takes, placed, self.max_len, params, rng, expect)
+    def start(self, rt: Runtime, work: StepWork, timeout: float, expect: int) -> Launched:
+        """Write the step's inputs (`expect`: the clock value of the previous step's tick) and
+        submit the program; the result waits for it and reads back the spans' tokens, `takes`
+        each."""
+        placed = self.layout.place(work.spans)
+        self.inputs.write(work, placed, self.max_len, expect)
         if self.binding is not None:
             addresses = placed.slots.astype(np.uint64) * np.uint64(self.slot_bytes)
             self.program.rebind(self.binding, addresses)
@@ -669,10 +668,12 @@ class StepProgram:
             rt.read(self.readback, self.host)
             tokens, sums = self.host[0][steps][:, picks], self.host[1][steps][:, picks]
             finite = np.isfinite(sums.view(np.float32))
-            logits = torch.stack([x[picks] for x in self.logits], 1).cpu() if keep_logits else None
+            logits = (
+                torch.stack([x[picks] for x in self.logits], 1).cpu() if work.keep_logits else None
+            )
             return StepResult(
-                [row[:n] for row, n in zip(tokens.T.tolist(), takes)],
-                [row[:n] for row, n in zip(finite.T.tolist(), takes)],
+                [row[:n] for row, n in zip(tokens.T.tolist(), work.takes)],
+                [row[:n] for row, n in zip(finite.T.tolist(), work.takes)],
                 logits,
             )
 

@@ -55,6 +55,7 @@ from serving.llm.device_step import (
     StepChain,
     StepProgram,
     StepResult,
+    StepWork,
     fed,
     fusable,
 )
@@ -279,19 +280,17 @@ class _Step:
     takes: tuple[int, ...]  # per request: the decode steps its row runs back to back (one
     # unless every span is one decode row; then as many of the step's as its room allows)
 
-    @property
-    def steps(self) -> int:
-        """Decode steps the step's program runs back to back."""
-        return max(self.takes)
-
-    def sampling(self) -> tuple[np.ndarray, np.ndarray]:
-        """sample_tokens' params (float32) and rng (int32) rows, [requests, 3] each: a request's
-        draw depends on its seed and its token's index only, never on its batch. Called before
-        the step is launched, while `inflight` counts the tokens chosen before this one."""
+    def work(self) -> StepWork:
+        """What the forward runs: the spans and their runs; sample_tokens' params (float32) and
+        rng (int32) rows, [requests, 3] each, a request's draw depending on its seed and its
+        token's index only, never on its batch; and the logits when a stream keeps them.
+        Called before the step is launched, while `inflight` counts the tokens chosen before
+        this one."""
         params = np.array([r.sampling_row() for r in self.requests], dtype=np.float32)
         draws = [len(r.generated) + r.inflight for r in self.requests]
         rng = rng_words([r.seed for r in self.requests], draws)
-        return params.reshape(-1, 3), rng
+        keep = any(r.stream.logits is not None for r in self.requests)
+        return StepWork(self.spans, self.takes, params.reshape(-1, 3), rng, keep)
 
 
 class NonFiniteLogitsError(GpuosError):
@@ -307,17 +306,9 @@ class _Forward(Protocol):
     built: int  # step programs built so far ...
     build_s: float  # ... and the seconds they took (the steps they were built for waited)
 
-    def start(
-        self,
-        spans: Sequence[Span],
-        params: np.ndarray,
-        rng: np.ndarray,
-        keep_logits: bool,
-        takes: Sequence[int],
-    ) -> Launched:
-        """Start the step, each span's row run `takes` times back to back (all 1, or for decode
-        spans only, at most `self.steps`, the most of them that); its result waits for the
-        tokens (and, when `keep_logits`, logits) of each span's last row, a run each."""
+    def start(self, work: StepWork) -> Launched:
+        """Start the step (its runs at most `self.steps`); its result waits for the tokens (and,
+        when asked, logits) of each span's last row, a run each."""
         ...
 
     def resync(self) -> None:
@@ -334,24 +325,16 @@ class _TorchForward:
     def __init__(self, model: Model, kv: KVPool) -> None:
         self.model, self.kv = model, kv
 
-    def start(
-        self,
-        spans: Sequence[Span],
-        params: np.ndarray,
-        rng: np.ndarray,
-        keep_logits: bool,
-        takes: Sequence[int],
-    ) -> Launched:
-        assert max(takes) == 1, "the torch forward runs a step at a time"
-        logits = forward(self.model, TorchOps(self.model.config, self.kv, spans))
-        on = logits.device
-        tokens = sample_rows(logits, torch.from_numpy(params).to(on), torch.from_numpy(rng).to(on))
+    def start(self, work: StepWork) -> Launched:
+        assert work.steps == 1, "the torch forward runs a step at a time"
+        logits = forward(self.model, TorchOps(self.model.config, self.kv, work.spans))
+        params, rng = (torch.from_numpy(a).to(logits.device) for a in (work.params, work.rng))
         done = StepResult(
-            tokens[:, None].tolist(),
+            sample_rows(logits, params, rng)[:, None].tolist(),
             logits.isfinite().all(-1, keepdim=True).tolist(),
-            logits[:, None].cpu() if keep_logits else None,
+            logits[:, None].cpu() if work.keep_logits else None,
         )
-        return Launched(list(range(len(spans))), lambda: done)
+        return Launched(list(range(len(work.spans))), lambda: done)
 
     def resync(self) -> None:
         pass  # nothing runs after start returns
@@ -405,18 +388,10 @@ class _ProgramForward:
             for parity in (0, 1):
                 self._program(layout, parity)
 
-    def start(
-        self,
-        spans: Sequence[Span],
-        params: np.ndarray,
-        rng: np.ndarray,
-        keep_logits: bool,
-        takes: Sequence[int],
-    ) -> Launched:
-        layout = Layout.of(spans, self.kv.slots, max(takes))
+    def start(self, work: StepWork) -> Launched:
+        layout = Layout.of(work.spans, self.kv.slots, work.steps)
         program = self._program(layout, self.chain.parity)
-        expect = self.chain.next()
-        self._last = program.start(self.runtime, spans, takes, params, rng, keep_logits, 60, expect)
+        self._last = program.start(self.runtime, work, 60, self.chain.next())
         return self._last
 
     def resync(self) -> None:
@@ -654,7 +629,7 @@ class Engine:
             out = done[1].result()
             waited = time.perf_counter() - waiting
             self._collect(done[0], out)
-            self.steps += done[0].steps
+            self.steps += max(done[0].takes)
         self._emit()
         self.wait_s += waited
         self.host_s += time.perf_counter() - began - waited
@@ -703,9 +678,7 @@ class Engine:
         """Start the step; its result waits for the tokens (and, when a stream keeps them,
         logits) of each span's last row, a sub-step each. The requests count its rows as queued
         and the tokens it chooses as in flight."""
-        params, rng = step.sampling()
-        keep = any(r.stream.logits is not None for r in step.requests)
-        launched = self._forward.start(step.spans, params, rng, keep, step.takes)
+        launched = self._forward.start(step.work())
         self.launches += 1
         each = zip(step.requests, step.spans, step.chooses, step.takes, launched.picks)
         for r, span, chooses, take, pick in each:
