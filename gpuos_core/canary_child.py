@@ -14,7 +14,7 @@ import torch
 from .calls import OpCall, Params
 from .canary import DTYPES, TOLERANCE, input_shapes, rel_error
 from .catalogue import OpSpec
-from .config import RuntimeConfig
+from .config import CudaConfig, RuntimeConfig
 from .runtime import Runtime
 
 
@@ -51,7 +51,10 @@ def exercise(
 def main() -> None:
     """Child side: rebuild the operator in a fresh CUDA runtime and report on it."""
     job = json.loads(sys.stdin.read())
-    config = RuntimeConfig(backend="cuda", canary=False, allow_raw_cuda=True)
+    # a few small cases: the 32k-record ring of before LLM programs of several steps (the
+    # default's 128k would cost each swap 176 MB more of GPU and pinned memory)
+    ring = CudaConfig(capacity=1 << 15)
+    config = RuntimeConfig(backend="cuda", canary=False, allow_raw_cuda=True, cuda=ring)
     with Runtime(config=config) as runtime:
         name = f"canary_{job['name']}"[:48]
         made = runtime.register(name, job["expression"], job["arity"], cuda=job["cuda"])
