@@ -651,7 +651,7 @@ class Engine:
                 request.slot = heapq.heappop(self._free)
                 self._running.append(request)
         budget, requests, spans, chooses = self.config.max_step_tokens, [], [], []
-        rooms, decoding = [], True
+        decoding = True
         for r in self._running:
             if budget <= 0:
                 break
@@ -663,15 +663,22 @@ class Engine:
             spans.append(Span(r.slot, r.queued, tuple(take)))
             chooses.append(len(take) == len(pending))
             budget -= len(take)
-            rooms.append(r.room(self.max_len))
             decoding = decoding and len(pending) == 1
         if not requests:
             return None
-        steps = self._forward.steps
-        if not decoding or max(rooms) < steps:
-            steps = 1
-        takes = tuple(min(steps, room) for room in rooms)
+        takes = self._takes(requests, decoding)
         return _Step(tuple(requests), tuple(spans), tuple(chooses), takes)
+
+    def _takes(self, requests: list[_Request], decoding: bool) -> tuple[int, ...]:
+        """The decode steps each request's row runs: one each (a scheduled request has room
+        for one), unless the forward runs several and every request brings one decode row and
+        one has room for all of them; then as many as each one's room allows."""
+        steps = self._forward.steps
+        if steps > 1 and decoding:
+            rooms = [r.room(self.max_len) for r in requests]
+            if max(rooms) >= steps:
+                return tuple(min(steps, room) for room in rooms)
+        return (1,) * len(requests)
 
     # -- the forward ---------------------------------------------------------------------------
     def _launch(self, step: _Step) -> Launched:
