@@ -14,7 +14,7 @@
  *
  * Built and run on a CUDA machine (bench/NOTES.md quotes its output); -arch=sm_90a builds the
  * 64-row m-blocks on warpgroup products as the runtime does on an H100/H200, sm_90 on mma.sync:
- *   nvcc -arch=sm_90a -rdc=true -std=c++17 -maxrregcount=96 -Icuda -o /tmp/linear_call \
+ *   nvcc -arch=sm_90a -rdc=true -std=c++17 -maxrregcount=128 -Icuda -o /tmp/linear_call \
  *     bench/linear_call.cu && /tmp/linear_call M N K [reps=200] [copies=24] */
 #include <cuda_runtime.h>
 

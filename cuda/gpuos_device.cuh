@@ -16,8 +16,8 @@
  * calls), rolled loops that batch their loads explicitly, branch-free loads, and pointer walks
  * instead of per-index offsets; see gpuos_div, GPUOS_ROLLED, GPUOS_ILP and gpuos_load_ptr.
  * Measured (H100, scripts of the helper that wrote this): uncapped, ptxas spreads an operator over
- * 100-200 registers; with NVRTC --maxrregcount=96 (gpuos_core/jit.py) every operator fits with at
- * most a few hundred bytes of stack (mostly saved callee-saved registers).
+ * 100-200 registers; with NVRTC --maxrregcount=96 (now 128: gpuos_core/jit.py) every operator fits
+ * with at most a few hundred bytes of stack (mostly saved callee-saved registers).
  * Task memory is read with plain loads, never __ldg/__restrict__: a persistent worker reuses ring
  * slots during one launch, and the non-coherent read-only cache could serve a stale descriptor. */
 #pragma once

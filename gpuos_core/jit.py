@@ -37,12 +37,13 @@ _SPECIFIC = {"sm_90": "sm_90a"}
 DEFAULT_ARCH = "sm_90"  # the target when there is no device to ask (CI, the CPU backend)
 # -rdc=true: objects must link into one image. -default-device: header helpers that carry no
 # execution-space annotation compile for the device (NVRTC has no host side to compile them for).
-# --maxrregcount=96: the linked worker takes the register count of its hungriest operator (it can
-# call any of them); uncapped that was 203 on sm_90, which blocks torch's kernels from co-running.
-# At 64, attention and linear spilled 2 KB and 1 KB a thread; at 96 only their saved registers
-# (~200 bytes) remain, and the H200 decode step ran 8% (1 row) to 20% (64 rows) faster
-# (bench/NOTES.md). A 256-thread worker block then holds 24K of an SM's 64K registers.
-_BASE_OPTIONS = ("-rdc=true", "-std=c++17", "-default-device", "--maxrregcount=96")
+# --maxrregcount=128: the linked worker takes the register count of its hungriest operator (it
+# can call any of them); uncapped that was 203 on sm_90, which blocks torch's kernels from
+# co-running. At 64, attention and linear spilled 2 KB and 1 KB a thread (the H200 decode step
+# 8-20% slower than at 96); 128 against 96 took the traced H200 step 2.6-5% faster and the 64-row
+# linears 7-14% (bench/NOTES.md, s191-s192). A 256-thread worker block then holds 32K of an SM's
+# 64K registers: the swap canary's second worker still fits beside it.
+_BASE_OPTIONS = ("-rdc=true", "-std=c++17", "-default-device", "--maxrregcount=128")
 _HEADER_SUFFIXES = frozenset({".h", ".cuh", ".hpp"})
 _DIGEST_SIZE = hashlib.sha256().digest_size
 _NVRTC_OK = nvrtc.nvrtcResult.NVRTC_SUCCESS

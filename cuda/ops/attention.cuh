@@ -52,7 +52,7 @@
  * tile's rows are prefetched into L2 while this one is computed. Anything else takes the
  * CUDA-core path: one key per warp at a time, the same items, merge and combine.
  * Registers: at most GPUOS_ATTN_ACC accumulators per lane, so NQ = min(8, 16 / (D / 32)) (D / 32
- * rounded up to a power of two); 96 registers in all (the NVRTC cap). Static shared memory:
+ * rounded up to a power of two); 128 registers in all (the NVRTC cap). Static shared memory:
  * about 7 KB; the tensor-core path also needs GPUOS_ATTN_WARPS (GPUOS_ATTN_WARP_SMEM +
  * GPUOS_ATTN_OUT_SMEM) bytes of dynamic shared memory. Needs blockDim >= 32 GPUOS_ATTN_WARPS
  * (the worker's 256 threads). */

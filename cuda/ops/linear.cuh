@@ -43,8 +43,8 @@
  * Memory: W and x stream through a pipeline of stages in the worker's dynamic shared memory
  * (cp.async.cg: L2, never a stale L1 line; GpuosLinearPipe), running on across the items of a
  * record, so that an item's epilogue overlaps the next item's loads; where W is settled
- * (gpuos_settled), its first stages are issued before the wait for x. Registers: 96 (the NVRTC
- * cap).
+ * (gpuos_settled), its first stages are issued before the wait for x. Registers: 128 (the
+ * NVRTC cap).
  * Anything else (fp32, odd strides or alignment, K = 0, small blocks) takes the CUDA-core path:
  * one thread per output, same items, same combine.
  * Trace marks (bench/step_trace.py), tensor-core path: 0 plan, 6 W's first stages issued, 2 the
