@@ -366,6 +366,20 @@ __device__ __forceinline__ bool gpuos_aligned4(const GpuosTensorRef& ref, int64_
   return (reinterpret_cast<unsigned long long>(gpuos_ptr(ref, off)) & (bytes - 1)) == 0;
 }
 
+/* The 4 values of a vector load's word: 4 fp32 (uint4), or 4 fp16/bf16 of `dtype` (uint2). */
+__device__ __forceinline__ void gpuos_unpack4(const uint4& f, int, float (&v)[4]) {
+  v[0] = __uint_as_float(f.x), v[1] = __uint_as_float(f.y);
+  v[2] = __uint_as_float(f.z), v[3] = __uint_as_float(f.w);
+}
+
+__device__ __forceinline__ void gpuos_unpack4(const uint2& w, int dtype, float (&v)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const unsigned short h = static_cast<unsigned short>((j < 2 ? w.x : w.y) >> (16 * (j & 1)));
+    v[j] = dtype == GPUOS_DTYPE_F16 ? gpuos_f16_to_f32(h) : gpuos_bf16_to_f32(h);
+  }
+}
+
 /* The 4 contiguous elements of `dtype` at byte address `p` (aligned to 4 elements) with one
  * vector load. Branch-free like gpuos_load_ptr (a predicated load of each width, then selects),
  * so that the loads of several tensors of different dtypes are in flight together. */
@@ -373,13 +387,11 @@ __device__ __forceinline__ void gpuos_load4_ptr(const char* p, int dtype, float 
   const bool wide = dtype == GPUOS_DTYPE_F32;
   const uint4 f = wide ? __ldcg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
   const uint2 w = wide ? make_uint2(0, 0) : __ldcg(reinterpret_cast<const uint2*>(p));
-  const unsigned int words[4] = {f.x, f.y, f.z, f.w};
+  float four[4], half[4];
+  gpuos_unpack4(f, dtype, four);
+  gpuos_unpack4(w, dtype, half);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const unsigned short h = static_cast<unsigned short>((j < 2 ? w.x : w.y) >> (16 * (j & 1)));
-    const float half = dtype == GPUOS_DTYPE_F16 ? gpuos_f16_to_f32(h) : gpuos_bf16_to_f32(h);
-    v[j] = wide ? __uint_as_float(words[j]) : half;
-  }
+  for (int j = 0; j < 4; ++j) v[j] = wide ? four[j] : half[j];
 }
 
 /* Elements off .. off + 3 of a contiguous `ref` with one vector load (gpuos_aligned4 must hold). */
@@ -564,38 +576,74 @@ __device__ __forceinline__ bool gpuos_row_vec4(const GpuosRow& row) {
   return row.step == size && (reinterpret_cast<uint64_t>(row.p) & (4 * size - 1)) == 0;
 }
 
-/* gpuos_each over the first n elements of a row, shared by the threads of group G. With U > 0,
- * a contiguous row aligned to 4 elements goes 4 elements a load, U loads a thread in flight (the
- * rest, past the last whole 4, one by one): a long row (logits: 128K elements for one block) is
- * then 4 U elements a round trip instead of GPUOS_ILP. U = 0 (short rows: the loop's registers
- * would cost more than its round trips save) keeps to single loads. Either way each thread sees
- * its j in increasing order (argmax's lowest index relies on it). */
-template <class G, int U = 0, class F>
-__device__ __forceinline__ void gpuos_row_each(const GpuosRow& row, int64_t n, F f) {
-  int64_t quads = 0; /* whole 4s the vector loop takes */
-  if constexpr (U > 0) {
-    const int64_t size = gpuos_dtype_size(row.dtype);
-    quads = gpuos_row_vec4(row) ? n / 4 : 0;
-    GPUOS_ROLLED
-    for (int64_t c0 = G::rank(); c0 < quads; c0 += U * G::size()) {
-      float v[U][4];
+/* gpuos_row_quads for one width of load, WORD: uint4 (fp32) or uint2 (fp16, bf16). */
+template <class G, int U, class WORD, class F4>
+__device__ __forceinline__ void gpuos_row_quads_as(const GpuosRow& row, int64_t quads, F4 f4) {
+  const WORD* words = reinterpret_cast<const WORD*>(row.p);
+  GPUOS_ROLLED
+  for (int64_t c0 = G::rank(); c0 < quads; c0 += U * G::size()) {
+    WORD w[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t c = c0 + u * G::size();
-        gpuos_load4_ptr(row.p + 4 * size * (c < quads ? c : c0), row.dtype, v[u]);
-      }
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + u * G::size();
+      w[u] = __ldcg(words + (c < quads ? c : c0));
+    }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t c = c0 + u * G::size();
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (c < quads) f(4 * c + e, v[u][e]);
-        }
-      }
+    for (int u = 0; u < U; ++u) {
+      const int64_t c = c0 + u * G::size();
+      float v[4];
+      gpuos_unpack4(w[u], row.dtype, v);
+      if (c < quads) f4(c, v);
     }
   }
+}
+
+/* Groups of 4 [0, quads) of a contiguous row aligned to 4 elements (gpuos_row_vec4), one vector
+ * load a group, U loads a thread in flight: f4(c, v) with v the 4 values of group c, each
+ * thread's groups in increasing order, shared by the threads of group G. One width of load a
+ * loop: with both (gpuos_load4_ptr), ptxas waited for each load's values before issuing the
+ * next ones, 3 of 8 in flight, and a row of 128K logits took 35 µs on one SM. */
+template <class G, int U, class F4>
+__device__ __forceinline__ void gpuos_row_quads(const GpuosRow& row, int64_t quads, F4 f4) {
+  if (row.dtype == GPUOS_DTYPE_F32) {
+    gpuos_row_quads_as<G, U, uint4>(row, quads, f4);
+  } else {
+    gpuos_row_quads_as<G, U, uint2>(row, quads, f4);
+  }
+}
+
+/* Elements of a contiguous row before its first one aligned to 4 elements (0 to 3, at most n);
+ * n for a row of another stride. */
+__device__ __forceinline__ int64_t gpuos_row_head(const GpuosRow& row, int64_t n) {
+  const int64_t size = gpuos_dtype_size(row.dtype);
+  if (row.step != size) return n;
+  const int64_t past = (reinterpret_cast<uint64_t>(row.p) / size) & 3;
+  return min(n, (4 - past) & 3);
+}
+
+/* gpuos_each over the first n elements of a row, shared by the threads of group G. With U > 0,
+ * a contiguous row goes 4 elements a load from its first element aligned to 4, U loads a thread
+ * in flight (the elements before it and past the last whole 4, one by one): a long row (logits:
+ * 128K elements for one block) is then 4 U elements a round trip instead of GPUOS_ILP, whatever
+ * its start (GPT-2's 50,257 logits a row leave 3 rows in 4 unaligned). U = 0 (short rows: the
+ * loop's registers would cost more than its round trips save) keeps to single loads. Either way
+ * each thread sees its j in increasing order (argmax's lowest index relies on it). */
+template <class G, int U = 0, class F>
+__device__ __forceinline__ void gpuos_row_each(const GpuosRow& row, int64_t n, F f) {
   const auto at = [&](int64_t j) { return row.p + j * row.step; };
-  gpuos_each(4 * quads + G::rank(), n, G::size(), row.dtype, at, f);
+  int64_t rest = 0; /* where the single loads after the vector loop start */
+  if constexpr (U > 0) {
+    const int64_t head = gpuos_row_head(row, n), quads = (n - head) / 4;
+    gpuos_each(G::rank(), head, G::size(), row.dtype, at, f);
+    GpuosRow body = row;
+    body.p += head * row.step;
+    gpuos_row_quads<G, U>(body, quads, [&](int64_t c, const float(&v)[4]) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(head + 4 * c + e, v[e]);
+    });
+    rest = head + 4 * quads;
+  }
+  gpuos_each(rest + G::rank(), n, G::size(), row.dtype, at, f);
 }
 
 /* gpuos_row_each over two rows of the same length together: f(j, a[j], b[j]), with the loads of

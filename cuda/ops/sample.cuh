@@ -258,26 +258,25 @@ __device__ __forceinline__ void gpuos_sample_group(const GpuosSampleRow& s, unsi
 }
 
 /* Step 5: the Gumbel-max draw over the tokens with key >= lo. Threads take groups of four
- * tokens in increasing order, GPUOS_ILP groups' loads in flight; a contiguous, aligned row is
- * read one vector load per group, so a warp's loads stay coalesced. */
+ * tokens in increasing order: a contiguous, aligned row's whole groups one vector load each
+ * (gpuos_row_quads, so a warp's loads stay coalesced), then the rest (a partial last group, or
+ * every group of another layout) GPUOS_ILP groups of single loads in flight. */
 __device__ __forceinline__ unsigned int gpuos_sample_draw(const GpuosSampleRow& s, unsigned int lo,
                                                           uint2 seed, unsigned int step) {
   float best = gpuos_neg_inf();
   unsigned int best_j = GPUOS_SAMPLE_NONE;
-  const int64_t groups = (s.n + 3) / 4, size = gpuos_dtype_size(s.x.dtype);
-  const bool vector = gpuos_row_vec4(s.x);
+  const int64_t groups = (s.n + 3) / 4, quads = gpuos_row_vec4(s.x) ? s.n / 4 : 0;
+  gpuos_row_quads<GpuosBlockGroup, GPUOS_ILP>(s.x, quads, [&](int64_t g, const float(&v)[4]) {
+    gpuos_sample_group(s, lo, seed, step, g, v, best, best_j);
+  });
   GPUOS_ROLLED
-  for (int64_t g0 = threadIdx.x; g0 < groups; g0 += GPUOS_ILP * blockDim.x) {
+  for (int64_t g0 = quads + threadIdx.x; g0 < groups; g0 += GPUOS_ILP * blockDim.x) {
     float v[GPUOS_ILP][4];
 #pragma unroll
     for (int u = 0; u < GPUOS_ILP; ++u) {
       const int64_t g = g0 + u * blockDim.x < groups ? g0 + u * blockDim.x : g0;
-      if (vector && 4 * g + 3 < s.n) {
-        gpuos_load4_ptr(s.x.p + 4 * g * size, s.x.dtype, v[u]);
-      } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) v[u][i] = s.x.load(min(4 * g + i, s.n - 1));
-      }
+      for (int i = 0; i < 4; ++i) v[u][i] = s.x.load(min(4 * g + i, s.n - 1));
     }
 #pragma unroll
     for (int u = 0; u < GPUOS_ILP; ++u) {
