@@ -51,8 +51,8 @@ def exercise(
 def main() -> None:
     """Child side: rebuild the operator in a fresh CUDA runtime and report on it."""
     job = json.loads(sys.stdin.read())
-    # a few small cases: the 32k-record ring of before LLM programs of several steps (the
-    # default's 128k would cost each swap 176 MB more of GPU and pinned memory)
+    # a few small cases: a 32k-record ring, the default before LLM programs of several steps
+    # (today's 128k would cost each swap 176 MB more of GPU and pinned memory)
     ring = CudaConfig(capacity=1 << 15)
     config = RuntimeConfig(backend="cuda", canary=False, allow_raw_cuda=True, cuda=ring)
     with Runtime(config=config) as runtime:
