@@ -7,7 +7,8 @@ then `groups` groups of GROUP_ROWS rows. A longer span (a prefill chunk) takes c
 GROUP_ROWS) groups in a row, its tokens first and idle rows after them; each group's attention
 reads the keys and values of the slot its span has this step, through addresses the step
 rebinds (`Program.rebind`), and idle groups read slot 0 with nothing to attend. Which row each
-logits row takes is a step input too: a decode row's own, then each longer span's last row. So
+logits row takes is a step input too: a decode row's own, then each longer span's last row (a
+step with groups gathers them; in a decode-only step they are its rows, read as they are). So
 a program depends only on two counts: decode rows (a power of two) and groups (`bucket`).
 Whatever the spans' slots, lengths and order, a replica meets a few layouts, kept built (a build
 takes ~0.2 s on the H200 for the GPT-2-small shape, and the step waits for it); idle rows cost
@@ -562,9 +563,10 @@ class ProgramOps:
         return self._lanes(kind, lambda r: (h[r],), self._rows(h.shape[1], h.dtype))
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        picked = self._add("gather_rows", h, self.inputs["picks"])
+        # a decode-only step's logits rows are its rows (Layout.place): no stage to gather them
+        rows = self._add("gather_rows", h, self.inputs["picks"]) if self.layout.groups else h
         out = self.build.empty((self.layout.picks, head.shape[0]), torch.float32)
-        logits = self._add("linear", picked, head, out=out)
+        logits = self._add("linear", rows, head, out=out)
         for stored in self._late:
             self._store(*stored)
         return logits
