@@ -181,6 +181,18 @@ class ProgramBuilder:
         `Program.binding` name tasks by)."""
         return len(self._tasks)
 
+    def records_writing(self, t: torch.Tensor) -> int:
+        """Records of the tasks last added that write `t` (the run of them that ends at the
+        latest such task): its producers, where they were added last, as a step's lanes are."""
+        target, count, found = span(t), 0, False
+        for task in reversed(self._tasks):
+            s = span(task.out_ref)
+            if target and s and s[0] == target[0] and s[1] < target[2] and target[1] < s[2]:
+                count, found = count + len(task.records), True
+            elif found:
+                break
+        return count
+
     def add(self, call: OpCall, after: Iterable[int] = ()) -> torch.Tensor:
         """Append a task (validated now: TensorSpecError, UnknownOperatorError); it also runs
         after the tasks numbered in `after` (indices of earlier `add` calls). Returns its output."""

@@ -224,8 +224,9 @@ def test_leading_dims_broadcast_parameters_and_given_out(rt: Runtime) -> None:
 
 def test_rows_take_a_record_each_up_to_the_multiprocessors() -> None:
     """A step's rows are sampled side by side, whatever the vocabulary: a record per row up to
-    the SMs (132 off a GPU), then rows spread evenly; cut by elements, 8 rows of 256 logits
-    were 2 records that sampled 4 rows one after the other."""
+    the SMs (132 off a GPU), then rows spread evenly over as few records as take no more rows
+    each; cut by elements, 8 rows of 256 logits were 2 records that sampled 4 rows one after
+    the other."""
 
     def cut(rows: int, vocab: int) -> list[int]:
         with Runtime("cpu") as runtime:
@@ -238,8 +239,11 @@ def test_rows_take_a_record_each_up_to_the_multiprocessors() -> None:
     assert cut(8, 256) == [1] * 8
     assert cut(1, 50257) == [1]
     assert cut(264, 256) == [2] * 132
-    spread = cut(200, 1000)
-    assert len(spread) == 132 and set(spread) == {1, 2} and sum(spread) == 200
+    assert cut(200, 1000) == [2] * 100
+    spread = cut(300, 1000)
+    assert len(spread) == 100 and set(spread) == {3} and sum(spread) == 300
+    spread = cut(301, 1000)
+    assert len(spread) == 101 and set(spread) == {2, 3} and sum(spread) == 301
 
 
 @pytest.mark.parametrize(

@@ -270,12 +270,18 @@ def test_plans_fill_the_device_without_empty_splits(m: int, n: int, k: int) -> N
     assert LinearPlan.of(x, w, torch.empty(parts.splits, 0, dtype=torch.int32)) == parts
 
 
-def test_records_are_neighbouring_items_one_per_multiprocessor_at_most() -> None:
+@pytest.mark.parametrize(("n", "records"), [(50257, 131), (16384, 128), (2304, 36)])
+def test_records_are_neighbouring_items_the_fewest_that_one_wave_allows(
+    n: int, records: int
+) -> None:
+    """786, 256 and 36 n-tiles on 132 multiprocessors: records of 6, 2 and 1 items, no more of
+    them than that takes (the blocks left over claim the next stage's records)."""
     with Runtime("cpu") as runtime:
-        x, w = torch.randn(1, 64), torch.randn(50257, 64)  # 786 n-tiles
+        x, w = torch.randn(1, 64), torch.randn(n, 64)
         task = runtime.prepare(OpCall("linear", (x, w)))
     ranges = family("linear").ranges(task, 16384)
-    assert len(ranges) == DEFAULT_SMS and ranges[0][0] == 0 and ranges[-1][1] == task.items
+    assert len(ranges) == records and ranges[0][0] == 0 and ranges[-1][1] == task.items
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-    assert max(e - b for b, e in ranges) - min(e - b for b, e in ranges) <= 1
+    sizes = [e - b for b, e in ranges]
+    assert max(sizes) == -(-task.items // DEFAULT_SMS) and max(sizes) - min(sizes) <= 1
     assert family("linear").ranges(task, None) == [(0, task.items)]

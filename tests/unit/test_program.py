@@ -243,6 +243,27 @@ def test_edges_follow_data_flow_and_drop_implied_ones() -> None:
         torch.testing.assert_close(a, -x)  # the overwrite ran after every reader of a
 
 
+def test_the_records_writing_a_tensor_are_those_of_its_last_writers() -> None:
+    """A step plans a projection's splits around the blocks its input's producers hold: the
+    records of the tasks last added that write it (a step's lanes, each a part of one output),
+    not those of an earlier writer of the same memory."""
+    with Runtime("cpu") as rt:
+        rt.backend.tile_elements = 512
+        x = torch.randn(64, 256)
+        halves = (slice(0, 32), slice(32, 64))
+        build = rt.program()
+        out = build.empty((64, 256), torch.float32)
+        build.add(OpCall("relu", (x,), out=out))  # an earlier writer
+        build.add(OpCall("neg", (x,)))  # another tensor's
+        for rows in halves:
+            build.add(OpCall("sigmoid", (x[rows],), out=out[rows]))
+        each = [len(rt.prepare(OpCall("sigmoid", (x[r],))).records) for r in halves]
+        assert each[0] > 1
+        assert build.records_writing(out) == sum(each)
+        assert build.records_writing(out[:16]) == each[0]
+        assert build.records_writing(x) == 0
+
+
 def test_a_task_follows_the_writers_of_the_tensors_its_workspace_carries() -> None:
     """Attention reads its newest keys and values through its workspace, not its inputs: it
     still runs after the tasks that write them."""
