@@ -730,6 +730,12 @@ LINEAR_ITEM_COST = 4  # what starting an item costs, in steps of one tile (plan'
 # last split's round trips to L2 for the partials (traced on the H200: ~3.5 us at 1 row, ~7 us
 # at 64 rows, against ~0.1-0.4 us a step).
 LINEAR_SPLIT_COST = 16
+# What a record claimed only as its producer's blocks finish costs its stage, in the same steps:
+# its claim, plan and weight prologue after the others' (traced on the H200: ~3-5 us at 1-8
+# rows; Llama-3.2-1B's output projection at one row, 128 records after 8 of attention: 7.2 us
+# where 96 took 4.9; its down projection at 8 rows, 128 records after 64 of swiglu: 13.6 us
+# where 64 took 16.6; s204-s207).
+LINEAR_LATE_COST = 16
 DEFAULT_SMS = 132  # multiprocessors assumed off a GPU (an H100 or H200), so plans agree
 
 
@@ -824,11 +830,20 @@ class LinearPlan:
         return [p for s in range(1, most + 1) if (p := cls(m, n, k, s, parts)).whole]
 
     @classmethod
-    def choose(cls, m: int, n: int, k: int, sms: int, parts: bool = False) -> LinearPlan:
+    def choose(
+        cls, m: int, n: int, k: int, sms: int, parts: bool = False, free: int | None = None
+    ) -> LinearPlan:
         """The split of K that should finish soonest on `sms` multiprocessors (a block each): enough
         items to occupy them, against the cost of writing and summing partials. `parts`: for
-        linear_parts."""
-        return min(cls.splittings(m, n, k, parts), key=lambda p: (p._cost(sms), p.splits))
+        linear_parts. `free`: the blocks free to claim its records while its producer runs (all
+        of them when None); a plan of more records pays LINEAR_LATE_COST for those claimed as
+        the producer's blocks finish."""
+
+        def cost(p: LinearPlan) -> tuple[float, int]:
+            late = free is not None and free < p.items <= sms
+            return p._cost(sms) + (LINEAR_LATE_COST if late else 0.0), p.splits
+
+        return min(cls.splittings(m, n, k, parts), key=cost)
 
     @property
     def whole(self) -> bool:

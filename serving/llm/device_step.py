@@ -425,21 +425,20 @@ class ProgramOps:
         # the projection's K splits are summed by the norm as it adds them: no combine stage;
         # each lane's splits are a tensor of their own, as many as its share of the SMs keeps
         # busy (GPT-2's down projection at 64 rows: 72 records a lane, planned for the whole
-        # worker, were claimed late; 48 a lane made the step 3.5% shorter). The SMs are those
-        # that h's producers leave free: records past them are claimed only as the producers'
-        # blocks finish, a claim and a prologue late (Llama-3.2-1B's output projection after
-        # its 8 records of attention: 128 records at one row took 7.2 us, 96 took 4.9; s204).
-        # A producer that takes every block leaves the projection's records late whatever
-        # their count, and then the whole worker is planned for; so are lanes, whose other
-        # lane's stages hold blocks beside this one's producer (planned around both lanes'
-        # attention, the small Llama shape's 64-row step took 5% longer; s206).
+        # worker, were claimed late; 48 a lane made the step 3.5% shorter). One lane plans
+        # for the blocks h's producers leave free (LinearPlan.choose's `free`). A producer
+        # that takes every block leaves the projection's records late whatever their count;
+        # so do lanes, whose other lane's stages hold blocks beside this one's producer
+        # (planned around both lanes' attention, the small Llama shape's 64-row step took 5%
+        # longer; s206).
         (n, k), weights = linear.weight.shape, self._weights(linear)
+        share = self.sms // len(self.lanes)
         busy = self.build.records_writing(h) if len(self.lanes) == 1 else 0
-        share = (self.sms - busy if busy < self.sms else self.sms) // len(self.lanes)
+        free = self.sms - busy if 0 < busy < self.sms else None
         parts = {}
         for r in self.lanes:
             rows = r.stop - r.start
-            splits = LinearPlan.choose(rows, n, k, share, parts=True).splits
+            splits = LinearPlan.choose(rows, n, k, share, parts=True, free=free).splits
             out = self.build.empty((splits, rows, n), torch.float32)
             parts[r.start] = self._add("linear_parts", h[r], *weights, out=out)
         return x, self._normed("add_", norm, x, lambda r: (x[r], parts[r.start]))

@@ -270,6 +270,19 @@ def test_plans_fill_the_device_without_empty_splits(m: int, n: int, k: int) -> N
     assert LinearPlan.of(x, w, torch.empty(parts.splits, 0, dtype=torch.int32)) == parts
 
 
+def test_a_plan_with_records_past_the_free_blocks_pays_for_the_late_ones() -> None:
+    """A projection after 8 records of attention (Llama-3.2-1B's output projection at one row)
+    takes fewer K splits, all claimed while attention runs; a long K (its down projection)
+    keeps its splits, whose records would each take longer than the late ones are late."""
+    short = LinearPlan.choose(1, 2048, 2048, DEFAULT_SMS, parts=True)
+    assert short.items > DEFAULT_SMS - 8
+    fit = LinearPlan.choose(1, 2048, 2048, DEFAULT_SMS, parts=True, free=DEFAULT_SMS - 8)
+    assert fit.splits < short.splits and fit.items <= DEFAULT_SMS - 8
+    long = LinearPlan.choose(1, 2048, 8192, DEFAULT_SMS, parts=True)
+    assert long.items > DEFAULT_SMS - 8
+    assert LinearPlan.choose(1, 2048, 8192, DEFAULT_SMS, parts=True, free=DEFAULT_SMS - 8) == long
+
+
 @pytest.mark.parametrize(("n", "records"), [(50257, 131), (16384, 128), (2304, 36)])
 def test_records_are_neighbouring_items_the_fewest_that_one_wave_allows(
     n: int, records: int
