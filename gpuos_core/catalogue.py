@@ -200,6 +200,7 @@ def _builtin() -> dict[str, OpSpec]:
         _fixed("linear_parts", "linear_parts", 3, 2),  # its K splits' sums, for add_*norm
         _fixed("linear_gelu", "linear_gelu", 3, 2),  # gelu(linear): an MLP's up projection
         _fixed("linear_gelu_tanh", "linear_gelu_tanh", 3, 2),
+        _fixed("linear_silu_glu", "linear_silu_glu", 3, 2),  # swiglu(linear), W's rows in pairs
         _fixed("feed_tokens", "feed_tokens", 4, 4),  # the LLM engine's chained steps
         _fixed("tick", "tick", 1, 1),
     ]

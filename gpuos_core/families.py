@@ -736,6 +736,7 @@ LINEAR_SPLIT_COST = 16
 # where 96 took 4.9; its down projection at 8 rows, 128 records after 64 of swiglu: 13.6 us
 # where 64 took 16.6; s204-s207).
 LINEAR_LATE_COST = 16
+GATED = "silu_glu"  # the activation of linear_silu_glu: out pairs of W's rows, silu(gate) * up
 DEFAULT_SMS = 132  # multiprocessors assumed off a GPU (an H100 or H200), so plans agree
 
 
@@ -907,7 +908,9 @@ class LinearFamily(Family):
     residual norms) spares the linear its combine. Input 3 is then an empty [S, 0] tensor.
 
     `activation` (linear_gelu, linear_gelu_tanh): out is that math function (mathlib) of the
-    linear, applied in fp32 before out's rounding."""
+    linear, applied in fp32 before out's rounding. `silu_glu` (linear_silu_glu): W's rows come
+    in pairs, a gate's then its up's, and out [..., N / 2] is silu(gate) * up of each pair: an
+    MLP's gated up projection with its SwiGLU."""
 
     header = "ops/linear.cuh"  # before its wait, a record streams its weights while x is made
 
@@ -917,6 +920,7 @@ class LinearFamily(Family):
         self.name = "linear_parts" if parts else "_".join(filter(None, ("linear", activation)))
         self.macro = "GPUOS_DEFINE_" + self.name.upper()
         self.out_dtype = torch.float32 if parts else None
+        self.gated = activation == GATED
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
         x, w, bias = inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None
@@ -937,9 +941,15 @@ class LinearFamily(Family):
                 f"linear: x, weight and bias must share one dtype, got "
                 f"{', '.join(str(t.dtype) for t in inputs)}"
             )
+        if self.gated and w.shape[0] % 2:
+            raise TensorSpecError(
+                f"{self.name}: input 1 (weight) must have an even out_features (rows in pairs: "
+                f"a gate's, then its up's), got {tuple(w.shape)}"
+            )
         plan = LinearPlan.choose(*LinearPlan.dims(x, w), sm_count(x.device), self.parts)
         views = (x, w, bias if bias is not None else x.new_empty(0), plan.workspace(x.device))
-        shape = ((plan.splits,) if self.parts else ()) + tuple(x.shape[:-1]) + (plan.n,)
+        outputs = plan.n // 2 if self.gated else plan.n
+        shape = ((plan.splits,) if self.parts else ()) + tuple(x.shape[:-1]) + (outputs,)
         return Layout(views, shape, shape, plan.items)
 
     def fit_out(self, lay: Layout, out: torch.Tensor | None) -> Layout:
@@ -963,6 +973,9 @@ class LinearFamily(Family):
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
         x, w = xs[0], xs[1]
         bias = xs[2] if len(xs) > 2 and xs[2].numel() else None
+        if self.gated:
+            y = torch.nn.functional.linear(x, w, bias)
+            return torch.nn.functional.silu(y[..., 0::2]) * y[..., 1::2]
         if self.activation is not None:
             return FUNCTIONS[self.activation].torch(torch.nn.functional.linear(x, w, bias))
         if not self.parts:
@@ -987,6 +1000,8 @@ class LinearFamily(Family):
     ) -> None:
         plan = self._plan(xs)
         owned = plan.owned_outputs(begin, end)
+        if self.gated:  # a pair's outputs share a tile: its gate's stands for it
+            owned = owned[..., 0::2]
         if not owned.any():
             return
         value = self.compute([*(t.float() for t in xs[:3]), xs[3]], p, expr)
@@ -1203,6 +1218,7 @@ _FAMILIES: tuple[Family, ...] = (
     LinearFamily(parts=True),
     LinearFamily(activation="gelu"),
     LinearFamily(activation="gelu_tanh"),
+    LinearFamily(activation=GATED),
     FeedTokensFamily(),
     TickFamily(),
 )

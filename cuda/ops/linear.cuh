@@ -11,6 +11,10 @@
  * Activation (the catalogue's linear_gelu and linear_gelu_tanh): out holds gelu (erf or tanh
  * form, computed as ops/math.cuh computes it for the map operators) of each final value, in fp32
  * before out's rounding: an MLP's up projection without a stage of its own for its gelu.
+ * Gated (the catalogue's linear_silu_glu): W's rows come in pairs, a gate's then its up's, and
+ * out [..., N / 2] holds silu(gate) * up of each pair (N even): Llama's up projection and SwiGLU
+ * in one stage. Every path sums a pair's two outputs in one thread (the tensor-core lanes hold
+ * outputs 2c, 2c + 1; the combine's quads two pairs; the CUDA-core path takes pairs).
  * Parts mode (GPUOS_DEFINE_LINEAR_PARTS, the catalogue's linear_parts): out is [S, ..., N], one
  * more leading dim than x, and in[3] is empty: split s stores its partial sums over its k range as
  * rows s * M .. s * M + M - 1 of out, split 0 with the bias added, and no split combines them. Its
@@ -80,6 +84,7 @@ struct GpuosLinearPlan {
 #define GPUOS_LINEAR_IDENTITY 0
 #define GPUOS_LINEAR_GELU 1
 #define GPUOS_LINEAR_GELU_TANH 2
+#define GPUOS_LINEAR_SILU_GLU 3 /* on pairs of outputs: gpuos_linear_sink_pair */
 
 template <int ACT>
 __device__ __forceinline__ float gpuos_linear_act(float v) {
@@ -206,6 +211,19 @@ __device__ __forceinline__ void gpuos_linear_final(const GpuosTask* t, int m, in
   gpuos_store(t->out, gpuos_row_offset(t->out, m, n), v);
 }
 
+/* The final values v0, v1 of outputs n, n + 1 (n even; the bias added), ACT applied, through
+ * out's dims: stored as they are, or gated into output n / 2; those past the outputs left out. */
+template <int ACT>
+__device__ __forceinline__ void gpuos_linear_final2(const GpuosTask* t, const GpuosLinearPlan& p,
+                                                    int m, int n, float v0, float v1) {
+  if constexpr (ACT == GPUOS_LINEAR_SILU_GLU) {
+    if (n < p.n) gpuos_linear_final(t, m, n / 2, gpuos_silu(v0) * v1);
+  } else {
+    if (n < p.n) gpuos_linear_final(t, m, n, gpuos_linear_act<ACT>(v0));
+    if (n + 1 < p.n) gpuos_linear_final(t, m, n + 1, gpuos_linear_act<ACT>(v1));
+  }
+}
+
 /* out as the tensor-core path stores it (rows p.ors apart), in registers: a store through a
  * generic pointer may alias the descriptor and plan in shared memory, so each store would
  * otherwise reload them. `pair`: two neighbouring outputs take one store of twice their width
@@ -229,6 +247,18 @@ struct GpuosLinearSink {
     const bool wide = k.size == 2 || k.size == 4;
     k.pair = wide && k.cs == 1 && k.ors % 2 == 0 && (o.data & (2u * k.size - 1u)) == 0;
     return k;
+  }
+
+  /* The final values v0, v1 of outputs n, n + 1 (n even; the bias added), ACT applied:
+   * stored as they are, or gated into output n / 2. */
+  template <int ACT>
+  __device__ __forceinline__ void emit2(int m, int n, float v0, float v1) const {
+    if constexpr (ACT == GPUOS_LINEAR_SILU_GLU) {
+      if (n < outputs)
+        gpuos_store_ptr(data + (m * ors + n / 2 * cs) * size, dtype, gpuos_silu(v0) * v1);
+    } else {
+      store2(m, n, gpuos_linear_act<ACT>(v0), gpuos_linear_act<ACT>(v1));
+    }
   }
 
   /* out[m][n] = v0 and out[m][n + 1] = v1 (n even), those past the outputs left out. */
@@ -305,17 +335,14 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int m = GPUOS_LINEAR_BM * it.mb + quad[c] / QUADS;
-      const float out[4] = {gpuos_linear_act<ACT>(sum[c].x + bias[c][0]),
-                            gpuos_linear_act<ACT>(sum[c].y + bias[c][1]),
-                            gpuos_linear_act<ACT>(sum[c].z + bias[c][2]),
-                            gpuos_linear_act<ACT>(sum[c].w + bias[c][3])};
-      if constexpr (UNIFORM) {
-        sink.store2(m, n[c], out[0], out[1]);
-        sink.store2(m, n[c] + 2, out[2], out[3]);
-      } else {
+      const float v[4] = {sum[c].x + bias[c][0], sum[c].y + bias[c][1], sum[c].z + bias[c][2],
+                          sum[c].w + bias[c][3]};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (n[c] + e < p.n) gpuos_linear_final(t, m, n[c] + e, out[e]);
+      for (int e = 0; e < 4; e += 2) {
+        if constexpr (UNIFORM) {
+          sink.template emit2<ACT>(m, n[c] + e, v[e], v[e + 1]);
+        } else {
+          gpuos_linear_final2<ACT>(t, p, m, n[c] + e, v[e], v[e + 1]);
         }
       }
     }
@@ -359,30 +386,40 @@ __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const Gp
 
 /* ---- the CUDA-core path --------------------------------------------------------------------- */
 
+/* A thread sums two neighbouring outputs n, n + 1 (n even) of a row at a time, so that a gated
+ * operator's pair meets in one thread; an output past N sums nothing. */
 template <int ACT>
 __device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const GpuosLinearPlan& p,
                                                      int* last) {
   const GpuosTensorRef &x = t->in[0], &w = t->in[1];
+  constexpr int PAIRS = GPUOS_LINEAR_BN / 2;
   GPUOS_ROLLED
   for (int64_t i = t->range_begin; i < t->range_end; ++i) {
     const GpuosLinearItem it = gpuos_linear_item(p, static_cast<int>(i));
     GPUOS_ROLLED
-    for (int o = threadIdx.x; o < it.rows * GPUOS_LINEAR_BN; o += blockDim.x) {
-      const int r = o / GPUOS_LINEAR_BN, c = o % GPUOS_LINEAR_BN, n = GPUOS_LINEAR_BN * it.nt + c;
+    for (int o = threadIdx.x; o < it.rows * PAIRS; o += blockDim.x) {
+      const int r = o / PAIRS, c = 2 * (o % PAIRS), n = GPUOS_LINEAR_BN * it.nt + c;
       if (n >= p.n) continue;
       const char* xp = gpuos_ptr(x, gpuos_row_offset(x, GPUOS_LINEAR_BM * it.mb + r, it.k0));
-      const char* wp = gpuos_ptr(w, n * w.strides[0] + it.k0 * w.strides[1]);
       const int64_t xstep = gpuos_step(x, x.ndim - 1), wstep = gpuos_step(w, 1);
-      float sum = 0.0f;
-      GPUOS_ROLLED
-      for (int k = it.k0; k < it.k1; ++k, xp += xstep, wp += wstep)
-        sum += gpuos_load_ptr(xp, x.dtype) * gpuos_load_ptr(wp, w.dtype);
+      float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (n + e >= p.n) continue;
+        const char* xk = xp;
+        const char* wp = gpuos_ptr(w, (n + e) * w.strides[0] + it.k0 * w.strides[1]);
+        GPUOS_ROLLED
+        for (int k = it.k0; k < it.k1; ++k, xk += xstep, wp += wstep)
+          sum[e] += gpuos_load_ptr(xk, x.dtype) * gpuos_load_ptr(wp, w.dtype);
+      }
       if (gpuos_linear_combined(p)) {
-        gpuos_linear_part(t, p, it, it.s)[r * GPUOS_LINEAR_BN + c] = sum;
+        float* part = gpuos_linear_part(t, p, it, it.s) + r * GPUOS_LINEAR_BN + c;
+        part[0] = sum[0], part[1] = sum[1];
       } else {
-        const float v = sum + (gpuos_linear_biased(p, it) ? gpuos_linear_bias(t, p, n) : 0.0f);
+        const bool biased = gpuos_linear_biased(p, it);
         const int m = gpuos_linear_out_row(p, it, GPUOS_LINEAR_BM * it.mb + r);
-        gpuos_linear_final(t, m, n, gpuos_linear_act<ACT>(v));
+        gpuos_linear_final2<ACT>(t, p, m, n, sum[0] + (biased ? gpuos_linear_bias(t, p, n) : 0.0f),
+                                 sum[1] + (biased ? gpuos_linear_bias(t, p, n + 1) : 0.0f));
       }
     }
     gpuos_linear_arrive<ACT, false, true>(t, p, it, last);
@@ -838,8 +875,8 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
             *reinterpret_cast<float2*>(part + r * GPUOS_LINEAR_BN + c) = make_float2(v0, v1);
             continue;
           }
-          sink.store2(gpuos_linear_out_row(p, it, m), n, gpuos_linear_act<ACT>(v0 + bias[f][0]),
-                      gpuos_linear_act<ACT>(v1 + bias[f][1]));
+          sink.template emit2<ACT>(gpuos_linear_out_row(p, it, m), n, v0 + bias[f][0],
+                                   v1 + bias[f][1]);
         }
       }
     }
@@ -895,4 +932,6 @@ __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
 #define GPUOS_DEFINE_LINEAR_GELU(SYMBOL) GPUOS_DEFINE_LINEAR_OP(SYMBOL, false, GPUOS_LINEAR_GELU)
 #define GPUOS_DEFINE_LINEAR_GELU_TANH(SYMBOL) \
   GPUOS_DEFINE_LINEAR_OP(SYMBOL, false, GPUOS_LINEAR_GELU_TANH)
+#define GPUOS_DEFINE_LINEAR_SILU_GLU(SYMBOL) \
+  GPUOS_DEFINE_LINEAR_OP(SYMBOL, false, GPUOS_LINEAR_SILU_GLU)
 #define GPUOS_DEFINE_LINEAR_PARTS(SYMBOL) GPUOS_DEFINE_LINEAR_OP(SYMBOL, true, GPUOS_LINEAR_IDENTITY)

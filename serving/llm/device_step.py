@@ -54,7 +54,7 @@ from gpuos_core.families import LinearPlan, sm_count
 from gpuos_core.optable import OpTable
 from gpuos_core.program import Arena, Program, ProgramBuilder
 from serving.llm.forward import Span, forward
-from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
+from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm, gate_up
 
 IDLE = -1  # token, position and KV row of an idle row (gather_rows yields zeros, scatter skips)
 GROUP_ROWS = 16  # rows of a group: a longer span takes ceil(n / GROUP_ROWS) of them
@@ -62,15 +62,18 @@ LANE_ROWS = 16  # rows of a lane, at least (lanes_of)
 LANES = 2  # lanes of a step, at most
 
 
-# Activations an up projection can apply itself (the catalogue's linear_<name>).
-FUSABLE = ("gelu", "gelu_tanh")
+# Activations an up projection can apply itself (the catalogue's linear_<activation>), each
+# with the catalogue operator that applies it alone.
+FUSABLE = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "silu_glu": "swiglu"}
 
 
 def fusable(table: OpTable) -> frozenset[str]:
     """The activations a step program may apply inside its up projection under `table` (a
-    runtime's operator table): those of FUSABLE whose current version is the catalogue's (a
-    swapped one must run as its own operator)."""
-    return frozenset(name for name in FUSABLE if table.current(name).spec is CATALOGUE[name])
+    runtime's operator table): those of FUSABLE whose operator's current version is the
+    catalogue's (a swapped one must run as its own operator)."""
+    return frozenset(
+        kind for kind, op in FUSABLE.items() if table.current(op).spec is CATALOGUE[op]
+    )
 
 
 @overload
@@ -463,9 +466,12 @@ class ProgramOps:
     def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
         return self._linear("linear", x, linear)
 
-    def _linear(self, op: str, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    def _linear(
+        self, op: str, x: torch.Tensor, linear: Linear, pairs: bool = False
+    ) -> torch.Tensor:
+        """`op` of x through `linear`; `pairs`: its outputs are pairs of W's rows (SwiGLU's)."""
         weights = self._weights(linear)
-        out = self._rows(linear.weight.shape[0], x.dtype)
+        out = self._rows(linear.weight.shape[0] // (2 if pairs else 1), x.dtype)
         return self._lanes(op, lambda r: (x[r], *weights), out)
 
     @staticmethod
@@ -559,10 +565,10 @@ class ProgramOps:
 
     def activated(self, x: torch.Tensor, linear: Linear, kind: str) -> torch.Tensor:
         if kind in self.fused:
-            return self._linear(f"linear_{kind}", x, linear)
+            return self._linear(f"linear_{kind}", x, linear, pairs=kind == "silu_glu")
         h = self.linear(x, linear)
         if kind == "silu_glu":
-            gate, up = h.chunk(2, dim=-1)
+            gate, up = gate_up(h)
             return self._lanes(
                 "swiglu", lambda r: (gate[r], up[r]), self._rows(up.shape[1], h.dtype)
             )

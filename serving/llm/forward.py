@@ -29,6 +29,7 @@ from serving.llm.model import (
     Norm,
     apply_rotary,
     attend,
+    gate_up,
     normalize,
 )
 
@@ -62,7 +63,7 @@ class MicroOps(Protocol):
 
     def activated(self, x: torch.Tensor, linear: Linear, kind: str) -> torch.Tensor:
         """An MLP's up projection and its activation: GELU (`gelu`, `gelu_tanh`) of linear(x), or
-        SwiGLU (`silu_glu`: silu(its first half) * its second)."""
+        SwiGLU (`silu_glu`: silu(gate) * up, its outputs in pairs: model.gate_up)."""
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """fp32 logits [R, vocab] of the rows whose logits the step wants (normed rows h)."""
@@ -173,7 +174,7 @@ class TorchOps:
     def activated(self, x: torch.Tensor, linear: Linear, kind: str) -> torch.Tensor:
         h = linear(x)
         if kind == "silu_glu":
-            gate, up = h.chunk(2, dim=-1)
+            gate, up = gate_up(h)
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh" if kind == "gelu_tanh" else "none")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -330,7 +330,7 @@ class LayerWeights:
     qkv: Linear  # rows: heads*head_dim queries, kv_heads*head_dim keys, values
     o: Linear
     mlp_norm: Norm
-    up: Linear  # gpt2: c_fc; llama: gate rows then up rows (2*intermediate)
+    up: Linear  # gpt2: c_fc; llama: gate and up rows in pairs (2*intermediate; `gate_up`)
     down: Linear
 
 
@@ -404,6 +404,27 @@ def _fused(get: TensorSource, *names: str) -> Linear:
     return Linear(weight, torch.cat(biases))
 
 
+Names = tuple[str, ...]
+
+
+def _paired(get: TensorSource, gate: str, up: str) -> Linear:
+    """A gated MLP's gate and up projections as one, their rows in pairs (gate row j, then up
+    row j; biases likewise), so that an output of the MLP is two neighbouring outputs of the
+    projection: linear_silu_glu applies SwiGLU as it stores them. `gate_up` takes them apart."""
+    stacked = _fused(get, gate, up)
+
+    def pairs(t: torch.Tensor) -> torch.Tensor:
+        return t.view(2, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    return Linear(pairs(stacked.weight), None if stacked.bias is None else pairs(stacked.bias))
+
+
+def gate_up(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, ...]:
+    """The gate and up halves (views) of `dim` of a gated up projection's outputs (the last dim),
+    weight rows (0) or bias, which come in pairs (`_paired`)."""
+    return t.unflatten(dim, (-1, 2)).unbind(dim + 1 if dim >= 0 else dim)
+
+
 def _layer_norm(get: TensorSource, name: str) -> Norm:
     return Norm(get(f"{name}.weight"), get(f"{name}.bias"))
 
@@ -431,7 +452,7 @@ def _llama_layer(get: TensorSource, i: int) -> LayerWeights:
         _fused(get, attn + "q_proj", attn + "k_proj", attn + "v_proj"),
         _fused(get, attn + "o_proj"),
         Norm(get(p + "post_attention_layernorm.weight")),
-        _fused(get, mlp + "gate_proj", mlp + "up_proj"),
+        _paired(get, mlp + "gate_proj", mlp + "up_proj"),
         _fused(get, mlp + "down_proj"),
     )
 
@@ -486,20 +507,21 @@ def _llama_to_hf(w: Weights, config: ModelConfig) -> dict[str, torch.Tensor]:
     q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."
+        splits: dict[str, tuple[Linear, Callable[[torch.Tensor], Sequence[torch.Tensor]], Names]]
         splits = {
-            "self_attn.": (lw.qkv, [q, kv, kv], ("q_proj", "k_proj", "v_proj")),
-            "self_attn.o": (lw.o, [config.hidden], ("_proj",)),
-            "mlp.": (lw.up, [config.intermediate] * 2, ("gate_proj", "up_proj")),
-            "mlp.down": (lw.down, [config.hidden], ("_proj",)),
+            "self_attn.": (lw.qkv, lambda t: t.split([q, kv, kv]), ("q_proj", "k_proj", "v_proj")),
+            "self_attn.o": (lw.o, lambda t: (t,), ("_proj",)),
+            "mlp.": (lw.up, lambda t: gate_up(t, 0), ("gate_proj", "up_proj")),
+            "mlp.down": (lw.down, lambda t: (t,), ("_proj",)),
         }
-        for prefix, (linear, sizes, names) in splits.items():
+        for prefix, (linear, parts_of, names) in splits.items():
             for part in ("weight", "bias"):
                 tensor = getattr(linear, part)
                 if tensor is not None:
                     out.update(
                         {
                             f"{p}{prefix}{n}.{part}": t.contiguous()
-                            for n, t in zip(names, tensor.split(sizes))
+                            for n, t in zip(names, parts_of(tensor))
                         }
                     )
         out.update(

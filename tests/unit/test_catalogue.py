@@ -284,7 +284,8 @@ def test_every_catalogue_operator_is_covered() -> None:
     covered |= {"scatter_rows"}  # with the index inputs of rotary and attention: test_index_ops.py
     covered |= {"add_rmsnorm", "add_layernorm"}  # test_fused_norm.py
     covered |= {"sample_tokens"}  # test_device_sampling.py
-    covered |= {"linear", "linear_parts", "linear_gelu", "linear_gelu_tanh"}  # test_linear.py
+    linears = {"linear", "linear_parts", "linear_gelu", "linear_gelu_tanh", "linear_silu_glu"}
+    covered |= linears  # test_linear.py
     covered |= {"gather_rows"}  # test_gather_rows.py
     covered |= {"feed_tokens", "tick"}  # test_step_chain.py
     assert covered == set(CATALOGUE)

@@ -1,8 +1,8 @@
 """The linear operator (out = x W^T + bias, issue 12) on each backend against torch in float64:
 decode and prefill row counts, K and N off the tile sizes, fp32/fp16/bf16, leading dims and
 strided views (both kernel paths on a GPU), split-K plans, records cut anywhere, reruns, and the
-validation messages; its gelu forms (an MLP's up projection). The plan's arithmetic is checked
-against the kernel's header."""
+validation messages; its gelu and SwiGLU forms (an MLP's up projection). The plan's arithmetic is
+checked against the kernel's header."""
 
 from __future__ import annotations
 
@@ -93,6 +93,25 @@ def test_linear_with_gelu_matches_torch(rt: Runtime, dtype: torch.dtype, m: int,
         ref = F.gelu(F.linear(x.double(), w.double(), bias.double()), approximate=approximate)
         err = rel_error(task.out, ref)
         assert err < TOLERANCE[dtype], f"linear_{kind} {m} x {k} x {n}: {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 16, 64, 200])
+def test_linear_with_swiglu_matches_torch(rt: Runtime, dtype: torch.dtype, m: int) -> None:
+    """linear_silu_glu: W's rows in pairs (gate, up), out silu(gate) * up of each pair, half as
+    wide as W is tall, on every path as above; an odd count of rows is refused."""
+    for seed, (k, n) in enumerate([(200, 130), (1000, 70), (100, 64)]):
+        x, w = randn(rt, (m, k), dtype, seed), randn(rt, (n, k), dtype, seed + 100)
+        bias = randn(rt, (n,), dtype, seed + 200)
+        task = rt.prepare(OpCall("linear_silu_glu", (x, w, bias)))
+        assert task.out.shape == (m, n // 2)
+        rt.submit([task]).wait(30)
+        y = F.linear(x.double(), w.double(), bias.double())
+        ref = F.silu(y[:, 0::2]) * y[:, 1::2]
+        err = rel_error(task.out, ref)
+        assert err < TOLERANCE[dtype], f"linear_silu_glu {m} x {k} x {n}: {err:.2e}"
+    with pytest.raises(TensorSpecError, match="even out_features"):
+        rt.prepare(OpCall("linear_silu_glu", (x, w[:-1])))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
