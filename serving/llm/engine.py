@@ -16,7 +16,8 @@ So on the runtime the host schedules step k + 1 while step k runs, and a request
 scheduled before its last token is known (vLLM's asynchronous scheduling): a request that eos
 or a stop string ends may run a row or two more, whose tokens are dropped; max_tokens and the
 context are counted ahead and never overrun. With `decode_steps` above 1, while every running
-request only decodes, one program runs that many steps back to back (vLLM's multi-step;
+request only decodes and none waits or arrived since the last step, one program runs that many
+steps back to back (vLLM's multi-step;
 device_step.py), so the host's per-step work is done once for that many tokens of each request
 (each request's row runs as many of them as its max_tokens and context leave); the tokens a
 request chose past an eos or a stop string in such a step are dropped too.
@@ -93,12 +94,13 @@ class EngineConfig:
     max_waiting: int = 256  # requests queued for a slot beyond this are refused
     max_step_tokens: int = 512  # new rows one step may take (bounds a step behind a long prompt)
     # Decode steps one program runs back to back while every running request only decodes (and
-    # one of them has that many tokens left): the host's work a step (~5 µs a request) once for
-    # that many tokens. A request waiting for a slot may join that many steps later, and the
-    # tokens of a stream arrive that many at a time (its last ones up to that many steps late).
-    # Runtime micro-ops only. Off by default: on the H200, 4 cut a 64-stream GPT-2 step 30%
-    # where the host's CPU was slow and changed nothing where it kept up; the completions load
-    # test gained 11% tokens/s at 64-token completions, lost 9-15% at 16 (bench/NOTES.md).
+    # one of them has that many tokens left) and no request waits or arrived since the last
+    # step: the host's work a step (~5 µs a request) once for that many tokens. A request that
+    # arrives meanwhile starts after the program, and the tokens of a stream arrive that many
+    # at a time (its last ones up to that many steps late). Runtime micro-ops only. Off by
+    # default: on the H200, 4 cut a 64-stream GPT-2 step 45% where the host's CPU was slow and
+    # changed nothing where it kept up; the completions load test gained 11% tokens/s at
+    # 64-token completions (TTFT p50 +11 ms) and lost 4% at 16 (bench/NOTES.md, s210).
     decode_steps: int = 1
     micro_ops: MicroOps = "runtime"  # "torch": launch each micro-op with torch (the baseline)
 
@@ -475,6 +477,7 @@ class Engine:
         self._lock = threading.Condition()
         self._closed = False
         self._cancels = False  # a stream was cancelled since the last look: _schedule looks
+        self._arrived = False  # a request was queued since the last look: one step at a time
         # steps run (a program of several counts each), programs launched, tokens generated
         self.steps = self.launches = self.tokens = 0
         # Seconds of the step loop on the host and blocked on a launched step's tokens: a
@@ -542,6 +545,7 @@ class Engine:
                     f"{self.config.max_waiting}); {len(requests)} more do not fit: retry later"
                 )
             self._waiting.extend(requests)
+            self._arrived = True
             self._lock.notify()
         return [r.stream for r in requests]
 
@@ -638,7 +642,9 @@ class Engine:
         """Admit waiting requests into free slots, drop cancelled ones, take every running
         request's pending rows (at most max_step_tokens in all, prompts chunked); run the step
         `_forward.steps` times where each request brings one decode row and one has that many
-        tokens left, each request's row as many times as its room allows."""
+        tokens left, each request's row as many times as its room allows, while no request
+        waits or arrived since the last step (arrivals would wait behind the steps, and each
+        new prefill layout costs a program build)."""
         if self._cancels:
             self._cancels = False  # before looking: a cancel from now on is seen next step
             with self._lock:  # submit appends to _waiting from other threads
@@ -650,6 +656,8 @@ class Engine:
                 request = self._waiting.popleft()
                 request.slot = heapq.heappop(self._free)
                 self._running.append(request)
+            quiet = not (self._waiting or self._arrived)
+            self._arrived = False
         budget, requests, spans, chooses = self.config.max_step_tokens, [], [], []
         decoding = True
         for r in self._running:
@@ -666,15 +674,16 @@ class Engine:
             decoding = decoding and len(pending) == 1
         if not requests:
             return None
-        takes = self._takes(requests, decoding)
+        takes = self._takes(requests, decoding and quiet)
         return _Step(tuple(requests), tuple(spans), tuple(chooses), takes)
 
-    def _takes(self, requests: list[_Request], decoding: bool) -> tuple[int, ...]:
+    def _takes(self, requests: list[_Request], several: bool) -> tuple[int, ...]:
         """The decode steps each request's row runs: one each (a scheduled request has room
-        for one), unless the forward runs several and every request brings one decode row and
-        one has room for all of them; then as many as each one's room allows."""
+        for one), unless the forward runs several, the step may (`several`: every request
+        brings one decode row, none waits or arrived) and one has room for all of them; then as
+        many as each one's room allows."""
         steps = self._forward.steps
-        if steps > 1 and decoding:
+        if steps > 1 and several:
             rooms = [r.room(self.max_len) for r in requests]
             if max(rooms) >= steps:
                 return tuple(min(steps, room) for room in rooms)

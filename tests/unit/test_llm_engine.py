@@ -332,6 +332,33 @@ def test_decode_steps_run_together_give_what_single_steps_give(
     assert four_stats["tokens"] == one_stats["tokens"]
 
 
+def test_a_waiting_request_keeps_decode_steps_one_at_a_time(
+    model_dir: Path, runtime: Runtime
+) -> None:
+    """While a request waits for a slot, the running ones decode one step a program, so that it
+    takes the first slot freed rather than up to decode_steps later; alone, each request's
+    decode steps run four to a program."""
+    model = device_model(model_dir, runtime)
+    first, second = prompts([5, 7], seed=3)
+    params = SamplingParams(max_tokens=13, temperature=0.0)
+
+    def launches(together: bool) -> int:
+        engine = start(model, runtime, max_running=1, decode_steps=4)
+        try:
+            if together:  # the second waits for the first's slot
+                for stream in engine.submit_many([first, second], params):
+                    assert list(stream)[-1].completion_tokens == 13
+            else:
+                for prompt in (first, second):
+                    assert list(engine.submit(prompt, params))[-1].completion_tokens == 13
+            return engine.stats()["launches"]
+        finally:
+            engine.close()
+
+    # the first request's 12 decode steps: 12 programs while the second waits, 3 alone
+    assert launches(together=True) - launches(together=False) == 9
+
+
 def test_max_tokens_finishes_with_length(engine: Engine) -> None:
     text, last = engine.generate(prompts([5])[0], SamplingParams(max_tokens=7, temperature=0.0))
     assert last.finish_reason == "length" and last.completion_tokens == 7
