@@ -84,7 +84,7 @@ struct GpuosLinearPlan {
 #define GPUOS_LINEAR_IDENTITY 0
 #define GPUOS_LINEAR_GELU 1
 #define GPUOS_LINEAR_GELU_TANH 2
-#define GPUOS_LINEAR_SILU_GLU 3 /* on pairs of outputs: gpuos_linear_sink_pair */
+#define GPUOS_LINEAR_SILU_GLU 3 /* on pairs of outputs: emit2, gpuos_linear_final2 */
 
 template <int ACT>
 __device__ __forceinline__ float gpuos_linear_act(float v) {

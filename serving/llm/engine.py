@@ -17,10 +17,10 @@ scheduled before its last token is known (vLLM's asynchronous scheduling): a req
 or a stop string ends may run a row or two more, whose tokens are dropped; max_tokens and the
 context are counted ahead and never overrun. With `decode_steps` above 1, while every running
 request only decodes and none waits or arrived since the last step, one program runs that many
-steps back to back (vLLM's multi-step;
-device_step.py), so the host's per-step work is done once for that many tokens of each request
-(each request's row runs as many of them as its max_tokens and context leave); the tokens a
-request chose past an eos or a stop string in such a step are dropped too.
+steps back to back (vLLM's multi-step; device_step.py), so the host's per-step work is done once
+for that many tokens of each request (each request's row runs as many of them as its max_tokens
+and context leave); the tokens a request chose past an eos or a stop string in such a step are
+dropped too.
 
 Requests join and leave at step boundaries. Memory is bounded: a fixed pool of KV slots; requests
 wait in a bounded queue for a free slot (EngineFullError beyond it). `micro_ops="torch"` runs the
