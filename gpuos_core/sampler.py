@@ -46,9 +46,16 @@ def rng_rows(seeds: list[int], steps: list[int]) -> torch.Tensor:
 
 
 def rng_words(seeds: list[int], steps: list[int]) -> np.ndarray:
-    """rng_rows as a numpy array (what the LLM engine writes into a step's inputs)."""
-    words = [(s & MASK32, s >> 32 & MASK32, t & MASK32) for s, t in zip(seeds, steps, strict=True)]
-    return np.array(words, dtype=np.uint32).reshape(-1, 3).view(np.int32)  # same bits
+    """rng_rows as a numpy array (what the LLM engine writes into a step's inputs, every step:
+    no Python per row)."""
+    if len(seeds) != len(steps):
+        raise ValueError(f"{len(seeds)} seeds for {len(steps)} steps")
+    keys = np.array(seeds, dtype=np.uint64)
+    words = np.empty((len(seeds), 3), dtype=np.uint32)
+    words[:, 0] = keys & np.uint64(MASK32)
+    words[:, 1] = keys >> np.uint64(32)
+    words[:, 2] = np.array(steps, dtype=np.int64) & MASK32
+    return words.view(np.int32)  # same bits
 
 
 def _uniform_words(cols: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ request.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -270,7 +271,6 @@ class StepInputs:
         """Fill the host words for `work`'s spans where `placed` puts them, each span's row for
         its first `takes` sub-steps, idle rows and greedy idle picks elsewhere, and the clock
         value to wait for; `uploads` takes them to the device."""
-        spans = work.spans
         host = self._host
         host["expect"][0] = expect
         for name in ("tokens", "positions", "kv_rows"):
@@ -279,15 +279,19 @@ class StepInputs:
         host["picks"][:] = placed.rows
         host["rng"][:] = 0
         host["params"].view(np.float32)[:] = 0.0  # temperature 0: argmax, no draw
-        counts = np.array([len(s.tokens) for s in spans], dtype=np.int64)
+        # the spans' columns, taken apart without Python per span (there is one a request)
+        slots, starts, tokens = zip(*work.spans)
+        n = len(slots)
+        counts = np.fromiter(map(len, tokens), np.int64, n)
         # row r of span i: first_i + k, position start_i + k, for k < count_i (no loop per row)
         k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
         rows = np.repeat(placed.first, counts) + k
-        positions = np.repeat([s.start for s in spans], counts) + k
+        positions = np.repeat(np.fromiter(starts, np.int64, n), counts) + k
         # the first sub-step's words come first in each STEPWISE array
-        host["tokens"][rows] = [t for s in spans for t in s.tokens]
+        host["tokens"][rows] = list(itertools.chain.from_iterable(tokens))
         host["positions"][rows] = positions
-        host["kv_rows"][rows] = np.repeat([s.slot for s in spans], counts) * max_len + positions
+        kv_slots = np.repeat(np.fromiter(slots, np.int64, n), counts)
+        host["kv_rows"][rows] = kv_slots * max_len + positions
         host["lengths"][rows] = positions + 1
         host["params"].view(np.float32).reshape(-1, 3)[placed.pick] = work.params
         host["rng"].reshape(self.layout.steps, -1, 3)[0, placed.pick] = work.rng
@@ -682,14 +686,13 @@ class StepProgram:
             # one copy that keeps the GIL, and numpy: each torch call lets it go (engine._Outbox)
             rt.read(self.readback, self.host)
             tokens, sums = self.host[0][steps][:, picks], self.host[1][steps][:, picks]
-            finite = np.isfinite(sums.view(np.float32))
+            chosen, finite = tokens.T.tolist(), np.isfinite(sums.view(np.float32)).T.tolist()
+            if self.layout.steps > 1:  # a row idles in the sub-steps past its takes
+                chosen = [row[:n] for row, n in zip(chosen, work.takes)]
+                finite = [row[:n] for row, n in zip(finite, work.takes)]
             logits = (
                 torch.stack([x[picks] for x in self.logits], 1).cpu() if work.keep_logits else None
             )
-            return StepResult(
-                [row[:n] for row, n in zip(tokens.T.tolist(), work.takes)],
-                [row[:n] for row, n in zip(finite.T.tolist(), work.takes)],
-                logits,
-            )
+            return StepResult(chosen, finite, logits)
 
         return Launched(picks, result)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import logging
 import math
 import queue
@@ -217,6 +218,8 @@ class _Request:
     detok: TextStream
     stops: StopMatcher
     seed: int  # Philox key of its draws (with the token's index as counter)
+    limit: int  # tokens it may generate: max_tokens, or fewer where the context ends first
+    sampling: tuple[float, float, float]  # (temperature, top_p, top_k): sample_tokens' row
     slot: int = -1  # KV slot while running
     queued: int = 0  # tokens whose keys/values the steps launched so far store in the slot
     inflight: int = 0  # tokens launched steps choose for it that were not collected yet
@@ -232,22 +235,17 @@ class _Request:
         """Its tokens collected so far (its stream's)."""
         return self.stream.tokens
 
-    @property
-    def length(self) -> int:
-        """Tokens of the sequence so far: prompt and generated (collected)."""
-        return len(self.prompt) + len(self.generated)
+    def room(self) -> int:
+        """Tokens it may still choose, those in flight counted: what its limit leaves."""
+        return self.limit - len(self.stream.tokens) - self.inflight
 
-    def room(self, max_len: int) -> int:
-        """Tokens it may still choose, those in flight counted: what max_tokens and the context
-        leave."""
-        left = self.params.max_tokens - len(self.generated)
-        return min(left, max_len - self.length) - self.inflight
-
-    def spent(self, eos: frozenset[int], max_len: int) -> bool:
+    def spent(self, eos: frozenset[int]) -> bool:
         """Whether its tokens so far, those still in flight counted, end it (eos, max_tokens,
-        the context), before its text is looked at: it must not run another row."""
-        eos_seen = not self.inflight and bool(self.generated) and self.generated[-1] in eos
-        return eos_seen or self.room(max_len) <= 0
+        the context), before its text is looked at: it must not run another row. (Asked of
+        every request every step: no property or method in between.)"""
+        tokens = self.stream.tokens
+        eos_seen = not self.inflight and bool(tokens) and tokens[-1] in eos
+        return eos_seen or len(tokens) + self.inflight >= self.limit
 
     def keep(self, count: int) -> None:
         """Drop what it collected after its first `count` tokens (chosen past its end, in a
@@ -265,10 +263,6 @@ class _Request:
         if self.queued < len(self.prompt):
             return self.prompt[self.queued :] + self.generated
         return self.generated[self.queued - len(self.prompt) :]
-
-    def sampling_row(self) -> tuple[float, float, float]:
-        """(temperature, top_p, top_k): its row of sample_tokens' params."""
-        return self.params.temperature, self.params.top_p, float(self.params.top_k)
 
 
 @dataclass(frozen=True)
@@ -288,11 +282,13 @@ class _Step:
         token's index only, never on its batch; and the logits when a stream keeps them.
         Called before the step is launched, while `inflight` counts the tokens chosen before
         this one."""
-        params = np.array([r.sampling_row() for r in self.requests], dtype=np.float32)
-        draws = [len(r.generated) + r.inflight for r in self.requests]
-        rng = rng_words([r.seed for r in self.requests], draws)
-        keep = any(r.stream.logits is not None for r in self.requests)
-        return StepWork(self.spans, self.takes, params.reshape(-1, 3), rng, keep)
+        requests = self.requests
+        rows = itertools.chain.from_iterable(r.sampling for r in requests)
+        params = np.fromiter(rows, np.float32, 3 * len(requests)).reshape(-1, 3)
+        draws = [len(r.stream.tokens) + r.inflight for r in requests]
+        rng = rng_words([r.seed for r in requests], draws)
+        keep = any(r.stream.logits is not None for r in requests)
+        return StepWork(self.spans, self.takes, params, rng, keep)
 
 
 class NonFiniteLogitsError(GpuosError):
@@ -525,6 +521,7 @@ class Engine:
         trickle in. Raises as `submit` does, before queueing any."""
         for prompt in prompts:
             self._check_fits(prompt)
+        sampling = params.temperature, params.top_p, float(params.top_k)
         requests = [
             _Request(
                 list(prompt),
@@ -533,6 +530,8 @@ class Engine:
                 self.tokenizer.detokenizer(),
                 StopMatcher(params.stop),
                 secrets.randbits(64) if params.seed is None else params.seed,
+                min(params.max_tokens, self.max_len - len(prompt)),
+                sampling,
             )
             for prompt in prompts
         ]
@@ -659,11 +658,11 @@ class Engine:
             quiet = not (self._waiting or self._arrived)
             self._arrived = False
         budget, requests, spans, chooses = self.config.max_step_tokens, [], [], []
-        decoding = True
+        decoding, eos = True, self.tokenizer.eos_ids
         for r in self._running:
             if budget <= 0:
                 break
-            if r.spent(self.tokenizer.eos_ids, self.max_len):
+            if r.spent(eos):
                 continue  # ends at an _emit to come
             pending = r.pending_tokens()
             take = pending[:budget]
@@ -684,7 +683,7 @@ class Engine:
         many as each one's room allows."""
         steps = self._forward.steps
         if steps > 1 and several:
-            rooms = [r.room(self.max_len) for r in requests]
+            rooms = [r.room() for r in requests]
             if max(rooms) >= steps:
                 return tuple(min(steps, room) for room in rooms)
         return (1,) * len(requests)
@@ -708,27 +707,30 @@ class Engine:
         """Take the step's tokens: requests that fed their last pending row get one a sub-step
         (their text waits for the next _emit); non-finite logits end their request there, after
         the text of the tokens before them."""
-        now = time.perf_counter()
-        for i, (r, chooses) in enumerate(zip(step.requests, step.chooses)):
+        now, unsent = time.perf_counter(), self._unsent
+        each = zip(step.requests, step.chooses, step.takes, out.tokens, out.finite)
+        for i, (r, chooses, take, tokens, finite) in enumerate(each):
             if not chooses:
                 continue  # a prompt chunk
-            r.inflight -= step.takes[i]
+            r.inflight -= take
             if r.finished:
                 continue  # ended meanwhile: its rows ran for nothing
-            for j, token in enumerate(out.tokens[i]):
-                if not out.finite[i][j]:
-                    self._unsent.append((r, -1))
+            stream = r.stream
+            for j, token in enumerate(tokens):
+                if not finite[j]:
+                    unsent.append((r, -1))
                     break
-                if out.logits is not None and r.stream.logits is not None:
-                    r.stream.logits.append(out.logits[i, j])
-                r.generated.append(token)
-                r.stream.token_times.append(now)
-                self._unsent.append((r, len(r.generated)))
+                if out.logits is not None and stream.logits is not None:
+                    stream.logits.append(out.logits[i, j])
+                stream.tokens.append(token)
+                stream.token_times.append(now)
+                unsent.append((r, len(stream.tokens)))
 
     def _emit(self) -> None:
         """Text of the tokens taken so far: detokenize, match stop strings, stream, and end the
         requests they end."""
         unsent, self._unsent = self._unsent, []
+        eos = self.tokenizer.eos_ids
         for r, count in unsent:
             if r.finished:
                 continue
@@ -742,14 +744,14 @@ class Engine:
                     "model uses produced them)",
                 )
             else:
-                self._advance(r, count)
+                self._advance(r, count, eos)
 
-    def _advance(self, r: _Request, count: int) -> None:
+    def _advance(self, r: _Request, count: int, eos: frozenset[int]) -> None:
         """The text of its `count`-th token (its first `count` tokens are collected); a token
-        that ends it drops those collected after it."""
-        token = r.generated[count - 1]
+        that ends it (`eos`: the tokenizer's) drops those collected after it."""
+        token = r.stream.tokens[count - 1]
         self.tokens += 1
-        if token in self.tokenizer.eos_ids:
+        if token in eos:
             r.keep(count)
             self._finish(r, r.stops.flush(), "stop")
             return
@@ -757,7 +759,7 @@ class Engine:
         if stopped:
             r.keep(count)
             self._finish(r, text, "stop")
-        elif count >= r.params.max_tokens or len(r.prompt) + count >= self.max_len:
+        elif count >= r.limit:
             r.keep(count)
             self._finish(r, text + r.stops.flush(), "length")
         elif text:
