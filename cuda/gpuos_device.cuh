@@ -569,13 +569,6 @@ __device__ __forceinline__ void gpuos_each(int64_t first, int64_t n, int64_t ste
   }
 }
 
-/* Whether `row` is contiguous and starts aligned to 4 elements: every 4 from its start are one
- * vector load (gpuos_load4_ptr). */
-__device__ __forceinline__ bool gpuos_row_vec4(const GpuosRow& row) {
-  const int64_t size = gpuos_dtype_size(row.dtype);
-  return row.step == size && (reinterpret_cast<uint64_t>(row.p) & (4 * size - 1)) == 0;
-}
-
 /* gpuos_row_quads for one width of load, WORD: uint4 (fp32) or uint2 (fp16, bf16). */
 template <class G, int U, class WORD, class F4>
 __device__ __forceinline__ void gpuos_row_quads_as(const GpuosRow& row, int64_t quads, F4 f4) {
@@ -598,7 +591,7 @@ __device__ __forceinline__ void gpuos_row_quads_as(const GpuosRow& row, int64_t 
   }
 }
 
-/* Groups of 4 [0, quads) of a contiguous row aligned to 4 elements (gpuos_row_vec4), one vector
+/* Groups of 4 [0, quads) of a contiguous row aligned to 4 elements (gpuos_row_head 0), one vector
  * load a group, U loads a thread in flight: f4(c, v) with v the 4 values of group c, each
  * thread's groups in increasing order, shared by the threads of group G. One width of load a
  * loop: with both (gpuos_load4_ptr), ptxas waited for each load's values before issuing the

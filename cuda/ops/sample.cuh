@@ -265,7 +265,7 @@ __device__ __forceinline__ unsigned int gpuos_sample_draw(const GpuosSampleRow& 
                                                           uint2 seed, unsigned int step) {
   float best = gpuos_neg_inf();
   unsigned int best_j = GPUOS_SAMPLE_NONE;
-  const int64_t groups = (s.n + 3) / 4, quads = gpuos_row_vec4(s.x) ? s.n / 4 : 0;
+  const int64_t groups = (s.n + 3) / 4, quads = gpuos_row_head(s.x, 4) == 0 ? s.n / 4 : 0;
   gpuos_row_quads<GpuosBlockGroup, GPUOS_ILP>(s.x, quads, [&](int64_t g, const float(&v)[4]) {
     gpuos_sample_group(s, lo, seed, step, g, v, best, best_j);
   });
