@@ -752,6 +752,12 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def gate_up(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, ...]:
+    """The gate and up halves (views) of `dim` of linear_silu_glu's pairs: its outputs before
+    the gating (the last dim), its weight rows (0) or bias, a gate's then its up's in turn."""
+    return t.unflatten(dim, (-1, 2)).unbind(dim + 1 if dim >= 0 else dim)
+
+
 @dataclass(frozen=True)
 class LinearPlan:
     """How a linear task's work is cut, as cuda/ops/linear.cuh states it: m-blocks of rows of x,
@@ -974,8 +980,8 @@ class LinearFamily(Family):
         x, w = xs[0], xs[1]
         bias = xs[2] if len(xs) > 2 and xs[2].numel() else None
         if self.gated:
-            y = torch.nn.functional.linear(x, w, bias)
-            return torch.nn.functional.silu(y[..., 0::2]) * y[..., 1::2]
+            gate, up = gate_up(torch.nn.functional.linear(x, w, bias))
+            return torch.nn.functional.silu(gate) * up
         if self.activation is not None:
             return FUNCTIONS[self.activation].torch(torch.nn.functional.linear(x, w, bias))
         if not self.parts:
@@ -1001,7 +1007,7 @@ class LinearFamily(Family):
         plan = self._plan(xs)
         owned = plan.owned_outputs(begin, end)
         if self.gated:  # a pair's outputs share a tile: its gate's stands for it
-            owned = owned[..., 0::2]
+            owned = gate_up(owned)[0]
         if not owned.any():
             return
         value = self.compute([*(t.float() for t in xs[:3]), xs[3]], p, expr)

@@ -187,7 +187,7 @@ class ProgramBuilder:
         target, count, found = span(t), 0, False
         for task in reversed(self._tasks):
             s = span(task.out_ref)
-            if target and s and s[0] == target[0] and s[1] < target[2] and target[1] < s[2]:
+            if target and s and s[0] == target[0] and _meets(s[1], s[2], target):
                 count, found = count + len(task.records), True
             elif found:
                 break
@@ -226,6 +226,11 @@ def span(t: torch.Tensor) -> Span | None:
     return t.untyped_storage().data_ptr(), start, start + (last + 1) * t.element_size()
 
 
+def _meets(lo: int, hi: int, s: Span) -> bool:
+    """Whether bytes [lo, hi) of a storage meet span `s` of the same storage."""
+    return lo < s[2] and s[1] < hi
+
+
 @dataclass
 class _Access:
     lo: int
@@ -246,7 +251,7 @@ class _Accesses:
     def conflicts(self, s: Span, write: bool) -> set[int]:
         """Tasks whose accesses conflict with reading (or writing) span `s`."""
         found = [*self._writes.get(s[0], ()), *(self._reads.get(s[0], ()) if write else ())]
-        return {a.task for a in found if a.lo < s[2] and s[1] < a.hi}
+        return {a.task for a in found if _meets(a.lo, a.hi, s)}
 
     def record(self, s: Span, task: int, write: bool) -> None:
         if write:

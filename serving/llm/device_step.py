@@ -51,11 +51,11 @@ import torch
 from gpuos_core import OpCall, Runtime
 from gpuos_core.batch import Uploads
 from gpuos_core.catalogue import CATALOGUE
-from gpuos_core.families import LinearPlan, sm_count
+from gpuos_core.families import GATED, LinearPlan, gate_up, sm_count
 from gpuos_core.optable import OpTable
 from gpuos_core.program import Arena, Program, ProgramBuilder
 from serving.llm.forward import Span, forward
-from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm, gate_up
+from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
 
 IDLE = -1  # token, position and KV row of an idle row (gather_rows yields zeros, scatter skips)
 GROUP_ROWS = 16  # rows of a group: a longer span takes ceil(n / GROUP_ROWS) of them
@@ -569,7 +569,7 @@ class ProgramOps:
 
     def activated(self, x: torch.Tensor, linear: Linear, kind: str) -> torch.Tensor:
         if kind in self.fused:
-            return self._linear(f"linear_{kind}", x, linear, pairs=kind == "silu_glu")
+            return self._linear(f"linear_{kind}", x, linear, pairs=kind == GATED)
         h = self.linear(x, linear)
         if kind == "silu_glu":
             gate, up = gate_up(h)

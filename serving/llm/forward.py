@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from gpuos_core.families import gate_up
 from serving.llm.model import (
     KVCache,
     KVCacheFullError,
@@ -29,7 +30,6 @@ from serving.llm.model import (
     Norm,
     apply_rotary,
     attend,
-    gate_up,
     normalize,
 )
 
@@ -63,7 +63,7 @@ class MicroOps(Protocol):
 
     def activated(self, x: torch.Tensor, linear: Linear, kind: str) -> torch.Tensor:
         """An MLP's up projection and its activation: GELU (`gelu`, `gelu_tanh`) of linear(x), or
-        SwiGLU (`silu_glu`: silu(gate) * up, its outputs in pairs: model.gate_up)."""
+        SwiGLU (`silu_glu`: silu(gate) * up, its outputs in pairs: families.gate_up)."""
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """fp32 logits [R, vocab] of the rows whose logits the step wants (normed rows h)."""

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from gpuos_core.errors import GpuosError
+from gpuos_core.families import gate_up
 
 log = logging.getLogger("gpuos.llm")
 
@@ -417,12 +418,6 @@ def _paired(get: TensorSource, gate: str, up: str) -> Linear:
         return t.view(2, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
     return Linear(pairs(stacked.weight), None if stacked.bias is None else pairs(stacked.bias))
-
-
-def gate_up(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, ...]:
-    """The gate and up halves (views) of `dim` of a gated up projection's outputs (the last dim),
-    weight rows (0) or bias, which come in pairs (`_paired`)."""
-    return t.unflatten(dim, (-1, 2)).unbind(dim + 1 if dim >= 0 else dim)
 
 
 def _layer_norm(get: TensorSource, name: str) -> Norm:
