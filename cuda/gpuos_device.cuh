@@ -100,6 +100,18 @@ __device__ __forceinline__ float gpuos_exp_diff(float a, float b) {
   return a == gpuos_neg_inf() ? 0.0f : expf(a - b);
 }
 
+/* 2^x on the special-function unit (ex2.approx: relative error below 2^-22; 2^-inf = 0), where
+ * expf's range reduction would be a dozen instructions: softmax's exponentials in base 2 with
+ * log2(e) folded into their scale. */
+__device__ __forceinline__ float gpuos_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+#define GPUOS_LOG2E 1.4426950408889634f
+#define GPUOS_LN2 0.6931471805599453f
+
 /* a / b for the divisors operators use (counts, softmax sums >= 1): __fdividef, within 2 ulp.
  * IEEE `/`, sqrtf and __frcp_rn compile to a call to a slow-path routine, and a call inside an
  * operator parks its live values in high registers, which raises the whole worker's count. */

@@ -332,47 +332,70 @@ struct GpuosAttnRaw {
 /* ---- the tensor-core path ------------------------------------------------------------------- */
 
 /* Ask L2 for the key and value rows of the tile at kb (lanes 0-15 keys, 16-31 values), rows at
- * or past k1 skipped: the tile after the current one arrives while this one is computed. A
+ * or past k1 skipped: the tile after the current one arrives while this one is computed. The
+ * cache's rows, the newest key's too (its own row, new_k's, was just written: in L2). A
  * prefetch of 128-byte lines per lane, not a bulk prefetch: that one takes its address in a
  * uniform register, so a warp's 32 rows cost a loop over the lanes. */
 __device__ __forceinline__ void gpuos_attn_prefetch(const GpuosAttnItem& it, int kb, int bytes) {
   const int lane = threadIdx.x % GPUOS_WARP, key = kb + lane % GPUOS_ATTN_TILE;
   if (key >= it.k1) return;
-  const char* row = lane < GPUOS_ATTN_TILE ? it.k.key(key) : it.v.key(key);
+  const GpuosKeys& m = lane < GPUOS_ATTN_TILE ? it.k : it.v;
+  const char* row = m.p + key * m.lstep;
   GPUOS_ROLLED
   for (int at = 0; at < bytes; at += 128) gpuos_prefetch_line(row + at);
 }
 
-/* Lane (g, c)'s 16 bytes at 16 c + 64 s of rows kb + g (a) and kb + g + 8 (b) of m, for the
- * 32-dim steps s = s0 .. s0 + N - 1; rows past k1 read row k1 - 1 (valid memory; masked later).
- * K's are the A operand of the scores' products, as linear.cuh loads W; V's are the blocks the
- * value products transpose. */
+/* Where lane (g, c) reads rows kb + g (lo) and kb + g + 8 (hi) of K or V, at byte 16 c. */
+struct GpuosAttnPair {
+  const char* lo;
+  const char* hi;
+};
+
+/* The pair of the tile at kb of m; rows past k1 read row k1 - 1 (valid memory; masked later).
+ * `at`: row kb + g's address at byte 16 c, which the scan walks a tile at a time in registers
+ * (GpuosKeys::key from the item in shared memory costs ~12 instructions a row): it serves
+ * while the tile ends before k1 - 1, where neither the clamp nor the newest key (at n - 1 >=
+ * k1 - 1) applies. */
+__device__ __forceinline__ GpuosAttnPair gpuos_attn_pair(const GpuosKeys& m, const char* at,
+                                                         int kb, int k1) {
+  if (kb + GPUOS_ATTN_TILE < k1) return {at, at + 8 * m.lstep};
+  const int lane = threadIdx.x % GPUOS_WARP, g = lane >> 2, c = lane & 3;
+  return {m.key(min(kb + g, k1 - 1)) + 16 * c, m.key(min(kb + g + 8, k1 - 1)) + 16 * c};
+}
+
+/* Row `first` + g's address at byte 16 c of m, the first `at` of gpuos_attn_pair. */
+__device__ __forceinline__ const char* gpuos_attn_walk(const GpuosKeys& m, int first) {
+  const int lane = threadIdx.x % GPUOS_WARP;
+  return m.p + (first + (lane >> 2)) * m.lstep + 16 * (lane & 3);
+}
+
+/* Lane (g, c)'s 16 bytes at 64 s of its pair's rows (a: lo, b: hi), for the 32-dim steps
+ * s = s0 .. s0 + N - 1. K's are the A operand of the scores' products, as linear.cuh loads W;
+ * V's are the blocks the value products transpose. */
 template <int N>
-__device__ __forceinline__ void gpuos_attn_rows(const GpuosKeys& m, int kb, int k1, int s0,
-                                                uint4 (&a)[N], uint4 (&b)[N]) {
-  const int lane = threadIdx.x % GPUOS_WARP, g = lane >> 2, q = lane & 3;
-  const char* first = m.key(min(kb + g, k1 - 1)) + 16 * q + 64 * s0;
-  const char* second = m.key(min(kb + g + 8, k1 - 1)) + 16 * q + 64 * s0;
+__device__ __forceinline__ void gpuos_attn_rows(const GpuosAttnPair& r, int s0, uint4 (&a)[N],
+                                                uint4 (&b)[N]) {
 #pragma unroll
   for (int s = 0; s < N; ++s) {
-    a[s] = __ldcg(reinterpret_cast<const uint4*>(first + 64 * s));
-    b[s] = __ldcg(reinterpret_cast<const uint4*>(second + 64 * s));
+    a[s] = __ldcg(reinterpret_cast<const uint4*>(r.lo + 64 * (s0 + s)));
+    b[s] = __ldcg(reinterpret_cast<const uint4*>(r.hi + 64 * (s0 + s)));
   }
 }
 
-/* Scores q . k of the tile at kb, unscaled, for lane (g, c): c[0], c[1] key g with queries 2c,
- * 2c + 1; c[2], c[3] key g + 8. Keys past k1 are masked later. `qrow`: shared address of this
- * lane's query row g at dims 8c, meaningful for g < NQ (the products' other queries are zeros). */
+/* Scores q . k of the tile whose keys are at `kr`, unscaled, for lane (g, c): c[0], c[1] key g
+ * with queries 2c, 2c + 1; c[2], c[3] key g + 8. Keys past k1 are masked later. `qrow`: shared
+ * address of this lane's query row g at dims 8c, meaningful for g < NQ (the products' other
+ * queries are zeros). */
 template <int NS, int NQ, bool BF16>
-__device__ __forceinline__ void gpuos_attn_scores(const GpuosAttnItem& it, int kb,
-                                                  unsigned int qrow, float (&c)[4]) {
+__device__ __forceinline__ void gpuos_attn_scores(const GpuosAttnPair& kr, unsigned int qrow,
+                                                  float (&c)[4]) {
   constexpr int BATCH = NS < 2 ? NS : 2; /* 32-dim steps whose loads are in flight together */
   const int g = (threadIdx.x % GPUOS_WARP) >> 2;
   c[0] = c[1] = c[2] = c[3] = 0.0f;
 #pragma unroll
   for (int s0 = 0; s0 < NS; s0 += BATCH) {
     uint4 a[BATCH], b[BATCH];
-    gpuos_attn_rows(it.k, kb, it.k1, s0, a, b);
+    gpuos_attn_rows(kr, s0, a, b);
 #pragma unroll
     for (int s = 0; s < BATCH; ++s) {
       const uint4 x = g < NQ ? gpuos_lds16(qrow + 64 * (s0 + s)) : make_uint4(0, 0, 0, 0);
@@ -519,7 +542,8 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
   constexpr bool TC = NS <= 2;
   const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
   const int g = lane >> 2, c = lane & 3, bytes = 2 * p.d;
-  const float scale = t->scalars[0], none = gpuos_neg_inf();
+  /* scores in base-2 units (scale log2(e)), so that each exponential is one ex2 */
+  const float scale = t->scalars[0] * GPUOS_LOG2E, none = gpuos_neg_inf();
   const unsigned int qrow = qs + g * gpuos_attn_qpitch(p.d) + 16 * c;
   float (&prob)[GPUOS_ATTN_TILE][GPUOS_ATTN_MAX_Q] = sh.tile[warp].p;
   float m0 = none, m1 = none, l0 = 0.0f, l1 = 0.0f; /* queries 2c and 2c + 1 */
@@ -527,25 +551,27 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
   GPUOS_ROLLED
   for (int kb = first; kb < first + GPUOS_ATTN_ALIGN; kb += step)
     gpuos_attn_prefetch(it, kb, bytes);
+  const char *kat = gpuos_attn_walk(it.k, first), *vat = gpuos_attn_walk(it.v, first);
   GPUOS_ROLLED
   for (int kb = first; kb < it.k1; kb += step) {
     gpuos_attn_prefetch(it, kb + GPUOS_ATTN_ALIGN, bytes);
     /* TC: the values travel with the keys; else their first batch comes after the scores */
     uint4 vlo[NS], vhi[NS];                    /* TC */
     GpuosAttnRaw<TC ? 4 : NS> raw[gpuos_attn_vb<NS>()]; /* else (TC: unused) */
-    if (TC) gpuos_attn_rows(it.v, kb, it.k1, 0, vlo, vhi);
+    if (TC) gpuos_attn_rows(gpuos_attn_pair(it.v, vat, kb, it.k1), 0, vlo, vhi);
     float s[4];
-    gpuos_attn_scores<NS, NQ, BF16>(it, kb, qrow, s);
+    gpuos_attn_scores<NS, NQ, BF16>(gpuos_attn_pair(it.k, kat, kb, it.k1), qrow, s);
+    kat += step * it.k.lstep, vat += step * it.v.lstep;
     if (!TC) gpuos_attn_load_values(it, kb, raw);
     const bool in0 = kb + g < it.k1, in1 = kb + g + 8 < it.k1;
     s[0] = in0 ? scale * s[0] : none, s[1] = in0 ? scale * s[1] : none;
     s[2] = in1 ? scale * s[2] : none, s[3] = in1 ? scale * s[3] : none;
-    /* key kb is in the tile, so both maxima are finite */
+    /* key kb is in the tile, so both maxima are finite: -inf - n is -inf, and 2^-inf 0 */
     const float n0 = fmaxf(m0, gpuos_attn_max8(fmaxf(s[0], s[2])));
     const float n1 = fmaxf(m1, gpuos_attn_max8(fmaxf(s[1], s[3])));
-    const float a0 = gpuos_exp_diff(m0, n0), a1 = gpuos_exp_diff(m1, n1);
-    const float p0 = gpuos_exp_diff(s[0], n0), p1 = gpuos_exp_diff(s[1], n1);
-    const float p2 = gpuos_exp_diff(s[2], n0), p3 = gpuos_exp_diff(s[3], n1);
+    const float a0 = gpuos_exp2(m0 - n0), a1 = gpuos_exp2(m1 - n1);
+    const float p0 = gpuos_exp2(s[0] - n0), p1 = gpuos_exp2(s[1] - n1);
+    const float p2 = gpuos_exp2(s[2] - n0), p3 = gpuos_exp2(s[3] - n1);
     l0 = l0 * a0 + p0 + p2, l1 = l1 * a1 + p1 + p3, m0 = n0, m1 = n1;
     if constexpr (TC) {
 #pragma unroll
@@ -566,6 +592,7 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
   }
   if constexpr (TC) gpuos_attn_tc_out<NS, NQ>(o, acc);
   l0 = gpuos_attn_sum8(l0), l1 = gpuos_attn_sum8(l1);
+  m0 *= GPUOS_LN2, m1 *= GPUOS_LN2; /* the maxima published in natural units */
   if (g == 0 && 2 * c < NQ) sh.m[warp][2 * c] = m0, sh.l[warp][2 * c] = l0;
   if (g == 0 && 2 * c + 1 < NQ) sh.m[warp][2 * c + 1] = m1, sh.l[warp][2 * c + 1] = l1;
 }
