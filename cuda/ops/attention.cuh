@@ -45,12 +45,15 @@
  * loaded as K's are and each 8 x 8 block of them transposed in registers (movmatrix), so that
  * lane (g, c) holds, per 16 dims, the outputs of dims as gpuos_attn_tc_dim numbers them for
  * queries 2c, 2c + 1, and the probabilities are transposed likewise into B: nothing goes through
- * shared memory until the scan ends, when each warp turns its outputs into the accumulators'
- * layout below through its GPUOS_ATTN_OUT_SMEM bytes of gpuos_dynamic_smem. For D >= 128
- * probabilities go through shared memory to a value pass on CUDA cores, where lane i owns dims
- * [i D / 32, (i + 1) D / 32) of every query and loads them of each key with one load. The next
- * tile's rows are prefetched into L2 while this one is computed. Anything else takes the
- * CUDA-core path: one key per warp at a time, the same items, merge and combine.
+ * shared memory until the scan ends. For D >= 128 probabilities go through shared memory to a
+ * value pass on CUDA cores, where lane i owns dims [i D / 32, (i + 1) D / 32) of every query and
+ * loads them of each key with one load. Either way a warp's scan ends with its outputs [query]
+ * [dim] in its GPUOS_ATTN_OUT_SMEM bytes of gpuos_dynamic_smem (its area), which the store reads
+ * (warp mode), or each thread of the block its outputs' over the warps' areas (block mode: the
+ * merge and the store one pass). The next tile's rows are prefetched into L2 while this one is
+ * computed. Anything else takes the CUDA-core path: one key per warp at a time, the same items,
+ * merge (through shared o) and combine. The offsets of an item's rows in out are worked out
+ * before its scan (gpuos_attn_out_rows).
  * Registers: at most GPUOS_ATTN_ACC accumulators per lane, so NQ = min(8, 16 / (D / 32)) (D / 32
  * rounded up to a power of two); 128 registers in all (the NVRTC cap). Static shared memory:
  * about 7 KB; the tensor-core path also needs GPUOS_ATTN_WARPS (GPUOS_ATTN_WARP_SMEM +
@@ -74,8 +77,8 @@
  * 8 rows of 192 bytes, at D = 64). */
 #define GPUOS_ATTN_WARP_SMEM 2048
 #define GPUOS_ATTN_WARP_Q 256 /* offset of the queries in it */
-/* After the staging areas: each warp's outputs [query][dim], fp32, between the tensor-core value
- * pass and the merge (GPUOS_ATTN_ACC * 32 floats). */
+/* After the staging areas: each warp's outputs [query][dim], fp32, between its scan and the
+ * store (GPUOS_ATTN_ACC * 32 floats). */
 #define GPUOS_ATTN_OUT_SMEM (GPUOS_ATTN_ACC * GPUOS_WARP * 4)
 
 /* Queries an item takes with NS = D / 32 (a power of two) output dims per lane. */
@@ -132,6 +135,7 @@ struct GpuosAttnPlan {
 /* One work item, the same in every thread. */
 struct GpuosAttnItem {
   int64_t row0;     /* its first row */
+  int64_t out[GPUOS_ATTN_MAX_Q]; /* element offset of row row0 + j in out (gpuos_attn_out_rows) */
   int nq;           /* its rows (queries) */
   int group, split;
   int k0, k1;       /* its keys, cut at the row's length */
@@ -501,42 +505,36 @@ __device__ __forceinline__ void gpuos_attn_values_tc(const uint4 (&lo)[NS], cons
   }
 }
 
-/* The value products' outputs into the accumulators' layout (acc.v[j][e]: query j, dim
- * NS lane + e), through this warp's GPUOS_ATTN_OUT_SMEM bytes of gpuos_dynamic_smem. */
+/* Warp w's outputs [query][dim], fp32, between its scan and the store: its GPUOS_ATTN_OUT_SMEM
+ * bytes of gpuos_dynamic_smem, after the staging areas. */
+__device__ __forceinline__ float* gpuos_attn_area(int w) {
+  return reinterpret_cast<float*>(gpuos_dynamic_smem + GPUOS_ATTN_WARPS * GPUOS_ATTN_WARP_SMEM) +
+         w * (GPUOS_ATTN_OUT_SMEM / 4);
+}
+
+/* The value products' outputs into `area` [query][dim]. */
 template <int NS, int NQ>
-__device__ __forceinline__ void gpuos_attn_tc_out(const float (&o)[2 * NS][4],
-                                                  GpuosAttnAcc<NQ, NS>& acc) {
+__device__ __forceinline__ void gpuos_attn_tc_area(const float (&o)[2 * NS][4], float* area) {
   const int lane = threadIdx.x % GPUOS_WARP, g = lane >> 2, c = lane & 3;
   constexpr int D = GPUOS_WARP * NS;
-  float* out = reinterpret_cast<float*>(gpuos_dynamic_smem +
-                                        GPUOS_ATTN_WARPS * GPUOS_ATTN_WARP_SMEM) +
-               (threadIdx.x / GPUOS_WARP) * (GPUOS_ATTN_OUT_SMEM / 4);
 #pragma unroll
   for (int s = 0; s < NS; ++s) {
 #pragma unroll
     for (int r = 0; r < 8; ++r) { /* fragment 2 s + r / 4, element r % 4 */
       const int j = 2 * c + (r & 1), w = 2 * (r / 4) + ((r >> 1) & 1);
-      if (j < NQ) out[j * D + gpuos_attn_tc_dim(s, w, g)] = o[2 * s + r / 4][r % 4];
+      if (j < NQ) area[j * D + gpuos_attn_tc_dim(s, w, g)] = o[2 * s + r / 4][r % 4];
     }
   }
-  __syncwarp();
-#pragma unroll
-  for (int j = 0; j < NQ; ++j) {
-#pragma unroll
-    for (int e = 0; e < NS; ++e) acc.v[j][e] = out[j * D + NS * lane + e];
-  }
-  __syncwarp(); /* read before the warp's next item writes */
 }
 
 /* This warp's tiles of the item on tensor cores, at keys first, first + step, ... (step: 16 in
- * warp mode, 128 in block mode) over queries staged at shared address `qs`; its outputs into acc
- * and its maxima and sums per query published. The rows GPUOS_ATTN_ALIGN keys ahead are asked
- * of L2 as it goes. */
+ * warp mode, 128 in block mode) over queries staged at shared address `qs`; its outputs, not yet
+ * divided by the sums, into its area (gpuos_attn_area) and its maxima and sums per query
+ * published. The rows GPUOS_ATTN_ALIGN keys ahead are asked of L2 as it goes. */
 template <int NS, int NQ, bool BF16>
 __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const GpuosAttnPlan& p,
                                                     const GpuosAttnItem& it, GpuosAttnShared& sh,
-                                                    GpuosAttnAcc<NQ, NS>& acc, int first, int step,
-                                                    unsigned int qs) {
+                                                    int first, int step, unsigned int qs) {
   /* The value pass on tensor cores for D <= 64; at D = 128 its 32 accumulators and 32 registers
    * of values spill (H200: 9% slower than on CUDA cores at 64 requests, 32% with grouped heads) */
   constexpr bool TC = NS <= 2;
@@ -546,6 +544,8 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
   const float scale = t->scalars[0] * GPUOS_LOG2E, none = gpuos_neg_inf();
   const unsigned int qrow = qs + g * gpuos_attn_qpitch(p.d) + 16 * c;
   float (&prob)[GPUOS_ATTN_TILE][GPUOS_ATTN_MAX_Q] = sh.tile[warp].p;
+  GpuosAttnAcc<NQ, NS> acc; /* else: the CUDA-core value pass's accumulators */
+  acc.zero();
   float m0 = none, m1 = none, l0 = 0.0f, l1 = 0.0f; /* queries 2c and 2c + 1 */
   float o[2 * NS][4] = {};                           /* TC: the value products' fragments */
   GPUOS_ROLLED
@@ -590,7 +590,16 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
       __syncwarp(); /* every lane read the tile's probabilities before the next overwrites them */
     }
   }
-  if constexpr (TC) gpuos_attn_tc_out<NS, NQ>(o, acc);
+  float* area = gpuos_attn_area(warp);
+  if constexpr (TC) {
+    gpuos_attn_tc_area<NS, NQ>(o, area);
+  } else {
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) {
+#pragma unroll
+      for (int e = 0; e < NS; ++e) area[j * GPUOS_WARP * NS + NS * lane + e] = acc.v[j][e];
+    }
+  }
   l0 = gpuos_attn_sum8(l0), l1 = gpuos_attn_sum8(l1);
   m0 *= GPUOS_LN2, m1 *= GPUOS_LN2; /* the maxima published in natural units */
   if (g == 0 && 2 * c < NQ) sh.m[warp][2 * c] = m0, sh.l[warp][2 * c] = l0;
@@ -647,14 +656,10 @@ __device__ __forceinline__ void gpuos_attn_scan_generic(const GpuosAttnPlan& p,
 /* ---- merge, partials and the combine -------------------------------------------------------- */
 
 /* The warps' states into shared mall, lall and o (rescaled to the common max, summed in warp
- * order), for the item's nq queries. All threads call; only the first `warps` warps saw keys (the
- * others' states are empty: -inf max, zero sum and outputs, so leaving them out changes no bit).
- * AREAS (the tensor-core path, whose warps each have GPUOS_ATTN_OUT_SMEM bytes of
- * gpuos_dynamic_smem): the warps write their rescaled outputs side by side, each into its own
- * area, and every thread then sums its outputs over the areas in warp order, behind one barrier.
- * Otherwise the warps add into o one after another, a barrier each (H200 trace: 8 rounds of all
- * NQ = 8 queries took 9 us for items of one query; at one row, 4 rounds took 2 us). */
-template <int NS, int NQ, bool AREAS>
+ * order), for the item's nq queries, on the CUDA-core path: the warps add into o one after
+ * another, a barrier each. All threads call; only the first `warps` warps saw keys (the others'
+ * states are empty: -inf max, zero sum and outputs, so leaving them out changes no bit). */
+template <int NS, int NQ>
 __device__ __forceinline__ void gpuos_attn_merge(const GpuosAttnPlan& p, GpuosAttnShared& sh,
                                                  const GpuosAttnAcc<NQ, NS>& acc, int nq,
                                                  int warps) {
@@ -670,52 +675,44 @@ __device__ __forceinline__ void gpuos_attn_merge(const GpuosAttnPlan& p, GpuosAt
     sh.mall[j] = m, sh.lall[j] = l;
   }
   __syncthreads();
-  /* warp w's rescaled output (j, d) into `to(w, j * D + d)` */
-  const auto rescaled = [&](int w, auto to) {
+  GPUOS_ROLLED
+  for (int w = 0; w < warps; ++w) {
+    if (warp == w) {
 #pragma unroll
-    for (int j = 0; j < NQ; ++j) {
-      if (j >= nq) break;
-      const float f = gpuos_exp_diff(sh.m[w][j], sh.mall[j]);
+      for (int j = 0; j < NQ; ++j) {
+        if (j >= nq) break;
+        const float f = gpuos_exp_diff(sh.m[w][j], sh.mall[j]);
 #pragma unroll
-      for (int e = 0; e < NS; ++e) {
-        const int d = NS * lane + e;
-        if (d < p.d) to(j * p.d + d, acc.v[j][e] * f);
+        for (int e = 0; e < NS; ++e) {
+          const int d = NS * lane + e, i = j * p.d + d;
+          if (d < p.d) sh.o[i] = (w == 0 ? 0.0f : sh.o[i]) + acc.v[j][e] * f;
+        }
       }
     }
-  };
-  if constexpr (AREAS) {
-    float* areas = reinterpret_cast<float*>(gpuos_dynamic_smem +
-                                            GPUOS_ATTN_WARPS * GPUOS_ATTN_WARP_SMEM);
-    constexpr int AREA = GPUOS_ATTN_OUT_SMEM / 4;
-    if (warp < warps) rescaled(warp, [&](int i, float v) { areas[warp * AREA + i] = v; });
     __syncthreads();
-    GPUOS_ROLLED
-    for (int i = threadIdx.x; i < nq * p.d; i += blockDim.x) {
-      float o = 0.0f;
-      GPUOS_ROLLED
-      for (int w = 0; w < warps; ++w) o += areas[w * AREA + i];
-      sh.o[i] = o;
-    }
-    __syncthreads();
-  } else {
-    GPUOS_ROLLED
-    for (int w = 0; w < warps; ++w) {
-      if (warp == w) rescaled(w, [&](int i, float v) { sh.o[i] = (w == 0 ? 0.0f : sh.o[i]) + v; });
-      __syncthreads();
-    }
   }
 }
 
-/* Store value f(j, d) of each of the item's rows j and dims d into out, by the threads first,
- * first + stride, ... */
+/* it.out: the item's rows' offsets in out, by the threads first, first + stride, ... (a block's,
+ * or a warp's lanes): each a chain of divisions over out's dims, worked out before the scan
+ * rather than behind it at the store (~1 us there at one row). */
+__device__ __forceinline__ void gpuos_attn_out_rows(const GpuosTask* t, GpuosAttnItem& it,
+                                                    int first, int stride) {
+  GPUOS_ROLLED
+  for (int j = first; j < it.nq; j += stride) it.out[j] = gpuos_row_offset(t->out, it.row0 + j, 0);
+}
+
+/* Store value f(j, d) of each of the item's rows j and dims d into out (at it.out), by the
+ * threads first, first + stride, ... */
 template <class F>
 __device__ __forceinline__ void gpuos_attn_store(const GpuosTask* t, const GpuosAttnPlan& p,
                                                  const GpuosAttnItem& it, int first, int stride,
                                                  F f) {
+  const int64_t step = t->out.strides[t->out.ndim - 1];
   GPUOS_ROLLED
   for (int i = first; i < it.nq * p.d; i += stride) {
     const int j = i / p.d, d = i % p.d;
-    gpuos_store(t->out, gpuos_row_offset(t->out, it.row0 + j, d), f(j, d));
+    gpuos_store(t->out, it.out[j] + d * step, f(j, d));
   }
 }
 
@@ -770,8 +767,18 @@ __device__ __forceinline__ bool gpuos_attn_completes(const GpuosAttnPlan& p,
   return gpuos_count_in(p.counters + it.group, static_cast<unsigned int>(it.active - 1));
 }
 
-/* The merged item: out when it is the group's only split, else its partial, counted in on the
- * group's counter; the block that completes the group combines it. All threads call. */
+/* After the item's partial is stored: counts it in on its group's counter, and the block that
+ * completes the group combines it. All threads call. */
+__device__ __forceinline__ void gpuos_attn_count_in(const GpuosTask* t, const GpuosAttnPlan& p,
+                                                    const GpuosAttnItem& it, GpuosAttnShared& sh) {
+  __syncthreads();
+  if (threadIdx.x == 0) sh.last = gpuos_attn_completes(p, it);
+  __syncthreads();
+  if (sh.last) gpuos_attn_combine(t, p, it, threadIdx.x, blockDim.x);
+}
+
+/* The merged item (gpuos_attn_merge): out when it is the group's only split, else its partial,
+ * counted in. All threads call. */
 __device__ __forceinline__ void gpuos_attn_emit(const GpuosTask* t, const GpuosAttnPlan& p,
                                                 const GpuosAttnItem& it, GpuosAttnShared& sh) {
   if (it.active == 1) {
@@ -784,10 +791,41 @@ __device__ __forceinline__ void gpuos_attn_emit(const GpuosTask* t, const GpuosA
   for (int i = threadIdx.x; i < it.nq * p.d; i += blockDim.x) part[2 * p.nq + i] = sh.o[i];
   if (threadIdx.x < it.nq) part[threadIdx.x] = sh.mall[threadIdx.x];
   if (threadIdx.x < it.nq) part[p.nq + threadIdx.x] = sh.lall[threadIdx.x];
-  __syncthreads();
-  if (threadIdx.x == 0) sh.last = gpuos_attn_completes(p, it);
-  __syncthreads();
-  if (sh.last) gpuos_attn_combine(t, p, it, threadIdx.x, blockDim.x);
+  gpuos_attn_count_in(t, p, it, sh);
+}
+
+/* The tensor-core path's merge and emit in one pass: each thread takes outputs (j, d) and sums
+ * them over the first `warps` warps' areas (gpuos_attn_scan_mma) in warp order, rescaled to
+ * their common max, with the sums likewise; then out, or the partial counted in. One barrier
+ * where a merge through shared o took four (H200, one row: 2.3 us from the scan to the store's
+ * end). All threads call. */
+template <int NS>
+__device__ __forceinline__ void gpuos_attn_gather(const GpuosTask* t, const GpuosAttnPlan& p,
+                                                  const GpuosAttnItem& it, GpuosAttnShared& sh,
+                                                  int warps) {
+  constexpr int D = GPUOS_WARP * NS; /* the tensor-core path's D */
+  __syncthreads(); /* the warps' areas, maxima and sums */
+  float* part = it.active == 1 ? nullptr : gpuos_attn_part(p, it, it.split);
+  const int64_t step = t->out.strides[t->out.ndim - 1];
+  GPUOS_ROLLED
+  for (int i = threadIdx.x; i < it.nq * D; i += blockDim.x) {
+    const int j = i / D, d = i % D;
+    float m = gpuos_neg_inf(), l = 0.0f, o = 0.0f;
+    GPUOS_ROLLED
+    for (int w = 0; w < warps; ++w) m = fmaxf(m, sh.m[w][j]);
+    GPUOS_ROLLED
+    for (int w = 0; w < warps; ++w) {
+      const float f = gpuos_exp_diff(sh.m[w][j], m);
+      l += sh.l[w][j] * f, o += gpuos_attn_area(w)[i] * f;
+    }
+    if (part == nullptr) {
+      gpuos_store(t->out, it.out[j] + d * step, gpuos_div(o, l));
+    } else {
+      part[2 * p.nq + i] = o;
+      if (d == 0) part[j] = m, part[p.nq + j] = l;
+    }
+  }
+  if (part != nullptr) gpuos_attn_count_in(t, p, it, sh);
 }
 
 /* ---- the operator --------------------------------------------------------------------------- */
@@ -828,27 +866,35 @@ __device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnSh
     __syncthreads();
     GPUOS_MARK(1);
     if (!gpuos_attn_busy(it)) continue;
+    /* by the last warp, while the first ones stage the queries (NQ D / 8 <= 64 threads) */
+    if (threadIdx.x >= blockDim.x - GPUOS_WARP)
+      gpuos_attn_out_rows(t, sh.item, threadIdx.x % GPUOS_WARP, GPUOS_WARP);
     if (it.active == 0) {
+      __syncthreads(); /* it.out */
       gpuos_attn_store(t, p, it, threadIdx.x, blockDim.x, [](int, int) { return 0.0f; });
       continue;
     }
     gpuos_attn_stage_q<NQ>(t, p, it, sh.q, threadIdx.x, blockDim.x);
     __syncthreads();
     GPUOS_MARK(2);
-    GpuosAttnAcc<NQ, NS> acc;
-    acc.zero();
-    const int first = it.k0 + GPUOS_ATTN_TILE * warp;
-    const unsigned int qs = gpuos_smem_address(sh.q);
-    if (scans && MODE == 0) gpuos_attn_scan_generic<NS, NQ>(p, it, sh, acc);
-    if (scans && MODE != 0)
-      gpuos_attn_scan_mma<NS, NQ, MODE == 2>(t, p, it, sh, acc, first, GPUOS_ATTN_ALIGN, qs);
-    GPUOS_MARK(3);
     const int step = MODE == 0 ? 1 : GPUOS_ATTN_TILE; /* keys a warp takes at a time */
     const int warps = min(GPUOS_ATTN_WARPS, (it.k1 - it.k0 + step - 1) / step);
-    gpuos_attn_merge<NS, NQ, MODE != 0>(p, sh, acc, it.nq, warps);
+    if constexpr (MODE == 0) {
+      GpuosAttnAcc<NQ, NS> acc;
+      acc.zero();
+      if (scans) gpuos_attn_scan_generic<NS, NQ>(p, it, sh, acc);
+      GPUOS_MARK(3);
+      gpuos_attn_merge<NS, NQ>(p, sh, acc, it.nq, warps);
+      gpuos_attn_emit(t, p, it, sh);
+    } else {
+      const int first = it.k0 + GPUOS_ATTN_TILE * warp;
+      if (scans && first < it.k1)
+        gpuos_attn_scan_mma<NS, NQ, MODE == 2>(t, p, it, sh, first, GPUOS_ATTN_ALIGN,
+                                               gpuos_smem_address(sh.q));
+      GPUOS_MARK(3);
+      gpuos_attn_gather<NS>(t, p, it, sh, warps);
+    }
     GPUOS_MARK(4);
-    gpuos_attn_emit(t, p, it, sh);
-    GPUOS_MARK(5);
   }
 }
 
@@ -901,37 +947,33 @@ __device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const G
   const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
   GpuosAttnItem& it = *reinterpret_cast<GpuosAttnItem*>(area);
   float* qs = reinterpret_cast<float*>(area + GPUOS_ATTN_WARP_Q);
+  constexpr int D = GPUOS_WARP * NS; /* the tensor-core path's D */
   __syncwarp(); /* the previous item's readers of the area are done */
   if (lane == 0 && !decoded) it = gpuos_attn_item(t, p, i);
   __syncwarp();
+  if (!decoded) gpuos_attn_out_rows(t, it, lane, GPUOS_WARP); /* else gpuos_attn_warm's */
   GPUOS_MARK(1); /* marks: warp 0's last item */
   if (it.active == 0) {
+    __syncwarp(); /* it.out */
     gpuos_attn_store(t, p, it, lane, GPUOS_WARP, [](int, int) { return 0.0f; });
     return;
   }
   gpuos_attn_stage_q<NQ>(t, p, it, qs, lane, GPUOS_WARP);
   __syncwarp();
   GPUOS_MARK(2);
-  GpuosAttnAcc<NQ, NS> acc;
-  acc.zero();
-  gpuos_attn_scan_mma<NS, NQ, BF16>(t, p, it, sh, acc, it.k0, GPUOS_ATTN_TILE,
-                                    gpuos_smem_address(qs));
-  __syncwarp(); /* its maxima and sums are published */
+  gpuos_attn_scan_mma<NS, NQ, BF16>(t, p, it, sh, it.k0, GPUOS_ATTN_TILE, gpuos_smem_address(qs));
+  __syncwarp(); /* its outputs, maxima and sums are published */
   GPUOS_MARK(3);
-  const float *m = sh.m[warp], *l = sh.l[warp];
-  /* lane i holds dims NS i .. NS i + NS - 1 (D = 32 NS on the tensor-core path) */
+  const float *m = sh.m[warp], *l = sh.l[warp], *o = gpuos_attn_area(warp);
   float* part = it.active == 1 ? nullptr : gpuos_attn_part(p, it, it.split);
-#pragma unroll
-  for (int j = 0; j < NQ; ++j) {
-    if (j >= it.nq) break;
-#pragma unroll
-    for (int e = 0; e < NS; ++e) {
-      const int d = NS * lane + e;
-      if (part == nullptr) {
-        gpuos_store(t->out, gpuos_row_offset(t->out, it.row0 + j, d), gpuos_div(acc.v[j][e], l[j]));
-      } else {
-        part[2 * p.nq + j * p.d + d] = acc.v[j][e];
-      }
+  const int64_t step = t->out.strides[t->out.ndim - 1];
+  GPUOS_ROLLED
+  for (int i = lane; i < it.nq * D; i += GPUOS_WARP) {
+    const int j = i / D, d = i % D;
+    if (part == nullptr) {
+      gpuos_store(t->out, it.out[j] + d * step, gpuos_div(o[i], l[j]));
+    } else {
+      part[2 * p.nq + i] = o[i];
     }
   }
   GPUOS_MARK(4);
@@ -1013,8 +1055,13 @@ __device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, GpuosAttnSha
   if (__popc(round0) <= warp) return;
   const int64_t i = t->range_begin + gpuos_nth_bit(round0, warp);
   const GpuosAttnItem it = gpuos_attn_item(t, p, i, known);
-  if (gpuos_attn_staged(t, round0, warp) && threadIdx.x % GPUOS_WARP == 0)
-    *reinterpret_cast<GpuosAttnItem*>(gpuos_dynamic_smem + GPUOS_ATTN_WARP_SMEM * warp) = it;
+  if (gpuos_attn_staged(t, round0, warp)) {
+    GpuosAttnItem& staged = *reinterpret_cast<GpuosAttnItem*>(gpuos_dynamic_smem +
+                                                              GPUOS_ATTN_WARP_SMEM * warp);
+    if (threadIdx.x % GPUOS_WARP == 0) staged = it;
+    __syncwarp();
+    gpuos_attn_out_rows(t, staged, threadIdx.x % GPUOS_WARP, GPUOS_WARP);
+  }
   const int keys = min(it.k1 - it.k0, GPUOS_ATTN_ALIGN);
   gpuos_attn_warm_item(t, p, it, max(keys, 0), threadIdx.x % GPUOS_WARP, GPUOS_WARP);
 }
