@@ -52,8 +52,8 @@
  * (warp mode), or each thread of the block its outputs' over the warps' areas (block mode: the
  * merge and the store one pass). The next tile's rows are prefetched into L2 while this one is
  * computed. Anything else takes the CUDA-core path: one key per warp at a time, the same items,
- * merge (through shared o) and combine. The offsets of an item's rows in out are worked out
- * before its scan (gpuos_attn_out_rows).
+ * merge (through shared o) and combine. The offsets of an item's rows in q and out are worked
+ * out before its queries are staged (gpuos_attn_rows_of).
  * Registers: at most GPUOS_ATTN_ACC accumulators per lane, so NQ = min(8, 16 / (D / 32)) (D / 32
  * rounded up to a power of two); 128 registers in all (the NVRTC cap). Static shared memory:
  * about 7 KB; the tensor-core path also needs GPUOS_ATTN_WARPS (GPUOS_ATTN_WARP_SMEM +
@@ -135,7 +135,8 @@ struct GpuosAttnPlan {
 /* One work item, the same in every thread. */
 struct GpuosAttnItem {
   int64_t row0;     /* its first row */
-  int64_t out[GPUOS_ATTN_MAX_Q]; /* element offset of row row0 + j in out (gpuos_attn_out_rows) */
+  int64_t q[GPUOS_ATTN_MAX_Q];   /* element offsets of row row0 + j in q ... */
+  int64_t out[GPUOS_ATTN_MAX_Q]; /* ... and in out (gpuos_attn_rows_of) */
   int nq;           /* its rows (queries) */
   int group, split;
   int k0, k1;       /* its keys, cut at the row's length */
@@ -248,6 +249,20 @@ __device__ __forceinline__ GpuosAttnItem gpuos_attn_item(const GpuosTask* t,
   return it;
 }
 
+/* it.q and it.out: the item's rows' offsets in q and out, by the threads first, first + stride,
+ * ... (a block's, or a warp's lanes): each a chain of divisions over the dims, worked out before
+ * the record's wait where the item is known then (gpuos_attn_warm), else before the queries are
+ * staged, rather than in front of the queries' loads and behind the scan at the store (~1 us
+ * each at one row, ~11 us at the store of a 4-query warp-mode item). */
+__device__ __forceinline__ void gpuos_attn_rows_of(const GpuosTask* t, GpuosAttnItem& it,
+                                                   int first, int stride) {
+  GPUOS_ROLLED
+  for (int j = first; j < it.nq; j += stride) {
+    it.q[j] = gpuos_row_offset(t->in[0], it.row0 + j, 0);
+    it.out[j] = gpuos_row_offset(t->out, it.row0 + j, 0);
+  }
+}
+
 /* Stage the item's queries in shared memory, rows past it zero, by the threads first,
  * first + stride, ... (a block, or a warp's lanes): on the tensor-core path raw 16-bit rows
  * gpuos_attn_qpitch apart, 8 dims (one 16-byte load where q's rows allow) a thread at a time, so
@@ -257,6 +272,7 @@ __device__ __forceinline__ void gpuos_attn_stage_q(const GpuosTask* t, const Gpu
                                                    const GpuosAttnItem& it, float* qs, int first,
                                                    int stride) {
   const GpuosTensorRef& q = t->in[0];
+  const int64_t step = q.strides[q.ndim - 1];
   if (p.fast) { /* D is a multiple of 8 */
     const int chunks = p.d / 8;
     const bool unit = q.strides[q.ndim - 1] == 1;
@@ -265,15 +281,14 @@ __device__ __forceinline__ void gpuos_attn_stage_q(const GpuosTask* t, const Gpu
       const int r = c / chunks, k = 8 * (c % chunks);
       uint4 v = make_uint4(0, 0, 0, 0);
       if (r < it.nq) {
-        const char* at = gpuos_ptr(q, gpuos_row_offset(q, it.row0 + r, k));
+        const char* at = gpuos_ptr(q, it.q[r] + k * step);
         if (unit && gpuos_aligned16(reinterpret_cast<uint64_t>(at))) {
           v = __ldcg(reinterpret_cast<const uint4*>(at));
         } else {
           unsigned int w[4];
 #pragma unroll
           for (int h = 0; h < 4; ++h) {
-            const int64_t lo = gpuos_row_offset(q, it.row0 + r, k + 2 * h);
-            const int64_t hi = gpuos_row_offset(q, it.row0 + r, k + 2 * h + 1);
+            const int64_t lo = it.q[r] + (k + 2 * h) * step, hi = lo + step;
             w[h] = gpuos_ld_u16(gpuos_ptr(q, lo)) | gpuos_ld_u16(gpuos_ptr(q, hi)) << 16;
           }
           v = make_uint4(w[0], w[1], w[2], w[3]);
@@ -287,7 +302,7 @@ __device__ __forceinline__ void gpuos_attn_stage_q(const GpuosTask* t, const Gpu
   GPUOS_ROLLED
   for (int i = first; i < NQ * p.d; i += stride) {
     const int r = i / p.d, d = i % p.d;
-    const char* at = gpuos_ptr(q, gpuos_row_offset(q, it.row0 + min(r, it.nq - 1), d));
+    const char* at = gpuos_ptr(q, it.q[min(r, it.nq - 1)] + d * step);
     qs[i] = r < it.nq ? t->scalars[0] * gpuos_load_ptr(at, q.dtype) : 0.0f;
   }
 }
@@ -693,14 +708,6 @@ __device__ __forceinline__ void gpuos_attn_merge(const GpuosAttnPlan& p, GpuosAt
   }
 }
 
-/* it.out: the item's rows' offsets in out, by the threads first, first + stride, ... (a block's,
- * or a warp's lanes): each a chain of divisions over out's dims, worked out before the scan
- * rather than behind it at the store (~1 us there at one row). */
-__device__ __forceinline__ void gpuos_attn_out_rows(const GpuosTask* t, GpuosAttnItem& it,
-                                                    int first, int stride) {
-  GPUOS_ROLLED
-  for (int j = first; j < it.nq; j += stride) it.out[j] = gpuos_row_offset(t->out, it.row0 + j, 0);
-}
 
 /* Store value f(j, d) of each of the item's rows j and dims d into out (at it.out), by the
  * threads first, first + stride, ... */
@@ -861,16 +868,16 @@ __device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnSh
   GPUOS_ROLLED
   for (int64_t i = t->range_begin; i < t->range_end; ++i) {
     __syncthreads(); /* the previous item's readers of item, q, o and last are done */
-    if (threadIdx.x == 0 && (i > t->range_begin || !gpuos_attn_known(t)))
-      sh.item = gpuos_attn_item(t, p, i);
+    const bool decoded = i == t->range_begin && gpuos_attn_known(t); /* gpuos_attn_warm's */
+    if (threadIdx.x == 0 && !decoded) sh.item = gpuos_attn_item(t, p, i);
     __syncthreads();
     GPUOS_MARK(1);
     if (!gpuos_attn_busy(it)) continue;
-    /* by the last warp, while the first ones stage the queries (NQ D / 8 <= 64 threads) */
-    if (threadIdx.x >= blockDim.x - GPUOS_WARP)
-      gpuos_attn_out_rows(t, sh.item, threadIdx.x % GPUOS_WARP, GPUOS_WARP);
+    if (!decoded) {
+      gpuos_attn_rows_of(t, sh.item, threadIdx.x, blockDim.x);
+      __syncthreads();
+    }
     if (it.active == 0) {
-      __syncthreads(); /* it.out */
       gpuos_attn_store(t, p, it, threadIdx.x, blockDim.x, [](int, int) { return 0.0f; });
       continue;
     }
@@ -951,10 +958,12 @@ __device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const G
   __syncwarp(); /* the previous item's readers of the area are done */
   if (lane == 0 && !decoded) it = gpuos_attn_item(t, p, i);
   __syncwarp();
-  if (!decoded) gpuos_attn_out_rows(t, it, lane, GPUOS_WARP); /* else gpuos_attn_warm's */
+  if (!decoded) { /* else gpuos_attn_warm's */
+    gpuos_attn_rows_of(t, it, lane, GPUOS_WARP);
+    __syncwarp();
+  }
   GPUOS_MARK(1); /* marks: warp 0's last item */
   if (it.active == 0) {
-    __syncwarp(); /* it.out */
     gpuos_attn_store(t, p, it, lane, GPUOS_WARP, [](int, int) { return 0.0f; });
     return;
   }
@@ -1045,6 +1054,10 @@ __device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, GpuosAttnSha
   if (!p.warps) {
     const GpuosAttnItem it = gpuos_attn_item(t, p, t->range_begin, known);
     if (known && threadIdx.x == 0) sh.item = it;
+    if (known) { /* uniform */
+      __syncthreads();
+      gpuos_attn_rows_of(t, sh.item, threadIdx.x, blockDim.x);
+    }
     if (p.fast) gpuos_attn_warm_item(t, p, it, it.k1 - it.k0, threadIdx.x, blockDim.x);
     return;
   }
@@ -1060,7 +1073,7 @@ __device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, GpuosAttnSha
                                                               GPUOS_ATTN_WARP_SMEM * warp);
     if (threadIdx.x % GPUOS_WARP == 0) staged = it;
     __syncwarp();
-    gpuos_attn_out_rows(t, staged, threadIdx.x % GPUOS_WARP, GPUOS_WARP);
+    gpuos_attn_rows_of(t, staged, threadIdx.x % GPUOS_WARP, GPUOS_WARP);
   }
   const int keys = min(it.k1 - it.k0, GPUOS_ATTN_ALIGN);
   gpuos_attn_warm_item(t, p, it, max(keys, 0), threadIdx.x % GPUOS_WARP, GPUOS_WARP);
