@@ -709,17 +709,24 @@ __device__ __forceinline__ void gpuos_attn_merge(const GpuosAttnPlan& p, GpuosAt
 }
 
 
-/* Store value f(j, d) of each of the item's rows j and dims d into out (at it.out), by the
- * threads first, first + stride, ... */
-template <class F>
+/* Element offset in out of the item's row j, dim d. */
+__device__ __forceinline__ int64_t gpuos_attn_out_at(const GpuosTask* t, const GpuosAttnItem& it,
+                                                     int j, int d) {
+  return it.out[j] + d * t->out.strides[t->out.ndim - 1];
+}
+
+/* Store value f(j, d) of each of the item's rows j and dims d into out, by the threads first,
+ * first + stride, ...; D: the rows' length where the caller knows it at compile time (the
+ * tensor-core path's 32 NS), else 0 (p.d). */
+template <int D = 0, class F>
 __device__ __forceinline__ void gpuos_attn_store(const GpuosTask* t, const GpuosAttnPlan& p,
                                                  const GpuosAttnItem& it, int first, int stride,
                                                  F f) {
-  const int64_t step = t->out.strides[t->out.ndim - 1];
+  const int dims = D > 0 ? D : p.d;
   GPUOS_ROLLED
-  for (int i = first; i < it.nq * p.d; i += stride) {
-    const int j = i / p.d, d = i % p.d;
-    gpuos_store(t->out, it.out[j] + d * step, f(j, d));
+  for (int i = first; i < it.nq * dims; i += stride) {
+    const int j = i / dims, d = i % dims;
+    gpuos_store(t->out, gpuos_attn_out_at(t, it, j, d), f(j, d));
   }
 }
 
@@ -813,7 +820,6 @@ __device__ __forceinline__ void gpuos_attn_gather(const GpuosTask* t, const Gpuo
   constexpr int D = GPUOS_WARP * NS; /* the tensor-core path's D */
   __syncthreads(); /* the warps' areas, maxima and sums */
   float* part = it.active == 1 ? nullptr : gpuos_attn_part(p, it, it.split);
-  const int64_t step = t->out.strides[t->out.ndim - 1];
   GPUOS_ROLLED
   for (int i = threadIdx.x; i < it.nq * D; i += blockDim.x) {
     const int j = i / D, d = i % D;
@@ -826,7 +832,7 @@ __device__ __forceinline__ void gpuos_attn_gather(const GpuosTask* t, const Gpuo
       l += sh.l[w][j] * f, o += gpuos_attn_area(w)[i] * f;
     }
     if (part == nullptr) {
-      gpuos_store(t->out, it.out[j] + d * step, gpuos_div(o, l));
+      gpuos_store(t->out, gpuos_attn_out_at(t, it, j, d), gpuos_div(o, l));
     } else {
       part[2 * p.nq + i] = o;
       if (d == 0) part[j] = m, part[p.nq + j] = l;
@@ -974,19 +980,16 @@ __device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const G
   __syncwarp(); /* its outputs, maxima and sums are published */
   GPUOS_MARK(3);
   const float *m = sh.m[warp], *l = sh.l[warp], *o = gpuos_attn_area(warp);
-  float* part = it.active == 1 ? nullptr : gpuos_attn_part(p, it, it.split);
-  const int64_t step = t->out.strides[t->out.ndim - 1];
-  GPUOS_ROLLED
-  for (int i = lane; i < it.nq * D; i += GPUOS_WARP) {
-    const int j = i / D, d = i % D;
-    if (part == nullptr) {
-      gpuos_store(t->out, it.out[j] + d * step, gpuos_div(o[i], l[j]));
-    } else {
-      part[2 * p.nq + i] = o[i];
-    }
+  if (it.active == 1) {
+    gpuos_attn_store<D>(t, p, it, lane, GPUOS_WARP,
+                        [&](int j, int d) { return gpuos_div(o[j * D + d], l[j]); });
+    GPUOS_MARK(4);
+    return;
   }
+  float* part = gpuos_attn_part(p, it, it.split);
+  GPUOS_ROLLED
+  for (int i = lane; i < it.nq * D; i += GPUOS_WARP) part[2 * p.nq + i] = o[i];
   GPUOS_MARK(4);
-  if (part == nullptr) return;
   if (lane < it.nq) part[lane] = m[lane], part[p.nq + lane] = l[lane];
   __syncwarp();
   const int last = lane == 0 && gpuos_attn_completes(p, it);

@@ -65,7 +65,7 @@ LANES = 2  # lanes of a step, at most
 
 # Activations an up projection can apply itself (the catalogue's linear_<activation>), each
 # with the catalogue operator that applies it alone.
-FUSABLE = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "silu_glu": "swiglu"}
+FUSABLE = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", GATED: "swiglu"}
 
 
 def fusable(table: OpTable) -> frozenset[str]:
@@ -571,7 +571,7 @@ class ProgramOps:
         if kind in self.fused:
             return self._linear(f"linear_{kind}", x, linear, pairs=kind == GATED)
         h = self.linear(x, linear)
-        if kind == "silu_glu":
+        if kind == GATED:
             gate, up = gate_up(h)
             return self._lanes(
                 "swiglu", lambda r: (gate[r], up[r]), self._rows(up.shape[1], h.dtype)

@@ -19,7 +19,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from gpuos_core.families import gate_up
+from gpuos_core.families import GATED, gate_up
 from serving.llm.model import (
     KVCache,
     KVCacheFullError,
@@ -173,7 +173,7 @@ class TorchOps:
 
     def activated(self, x: torch.Tensor, linear: Linear, kind: str) -> torch.Tensor:
         h = linear(x)
-        if kind == "silu_glu":
+        if kind == GATED:
             gate, up = gate_up(h)
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh" if kind == "gelu_tanh" else "none")
