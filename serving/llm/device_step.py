@@ -162,10 +162,13 @@ class Layout:
         """Where `spans` (which this layout fits: Layout.of) sit: decode spans at their slots'
         rows, longer ones in groups in the order given."""
         n = len(spans)
-        first, pick = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         rows = np.zeros(self.picks, dtype=np.int64)
         rows[: self.decode] = np.arange(self.decode)
         slots = np.zeros(self.groups, dtype=np.int64)
+        if not self.groups:  # every span is one decode row (Layout.of): no loop over them
+            first = np.fromiter([s.slot for s in spans], np.int64, n)
+            return Placement(first, first, rows, slots)
+        first, pick = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         group, longer = 0, self.decode
         for i, s in enumerate(spans):
             if len(s.tokens) == 1:
@@ -251,11 +254,19 @@ class StepInputs:
         self.layout = layout
         self._host: dict[str, np.ndarray] = {}  # numpy views of the pinned copy
         self._device: dict[str, torch.Tensor] = {}  # the same words on the device
+        # What `write` starts from, in one copy: every row idle (token, position and KV row
+        # IDLE, KV length 0) and greedy picks without draws (params and rng 0)
+        self._idle = np.zeros(len(self.host), dtype=np.int32)
         at = 0
         for name, size in sizes.items():
             self._host[name] = self.host[at : at + size].numpy()
             self._device[name] = self.device[at : at + size]
+            if name in ("tokens", "positions", "kv_rows"):
+                self._idle[at : at + size] = IDLE
             at += size
+        self._words = self.host.numpy()
+        self._params = self._host["params"].view(np.float32).reshape(-1, 3)
+        self._rng = self._host["rng"].reshape(k, -1, 3)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """The device view named: those of STEPWISE [steps, ...] (`rng` [steps, picks, 3]),
@@ -272,29 +283,30 @@ class StepInputs:
         its first `takes` sub-steps, idle rows and greedy idle picks elsewhere, and the clock
         value to wait for; `uploads` takes them to the device."""
         host = self._host
+        np.copyto(self._words, self._idle)  # one call: each fill was a numpy call of its own
         host["expect"][0] = expect
-        for name in ("tokens", "positions", "kv_rows"):
-            host[name][:] = IDLE
-        host["lengths"][:] = 0
         host["picks"][:] = placed.rows
-        host["rng"][:] = 0
-        host["params"].view(np.float32)[:] = 0.0  # temperature 0: argmax, no draw
         # the spans' columns, taken apart without Python per span (there is one a request)
         slots, starts, tokens = zip(*work.spans)
         n = len(slots)
-        counts = np.fromiter(map(len, tokens), np.int64, n)
-        # row r of span i: first_i + k, position start_i + k, for k < count_i (no loop per row)
-        k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        rows = np.repeat(placed.first, counts) + k
-        positions = np.repeat(np.fromiter(starts, np.int64, n), counts) + k
+        if self.layout.groups:
+            counts = np.fromiter(map(len, tokens), np.int64, n)
+            # row r of span i: first_i + k, position start_i + k, for k < count_i (no loop per
+            # row)
+            k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+            rows = np.repeat(placed.first, counts) + k
+            positions = np.repeat(np.fromiter(starts, np.int64, n), counts) + k
+            kv_slots = np.repeat(np.fromiter(slots, np.int64, n), counts)
+        else:  # every span is one decode row, at its slot's (place)
+            rows = kv_slots = placed.first
+            positions = np.fromiter(starts, np.int64, n)
         # the first sub-step's words come first in each STEPWISE array
         host["tokens"][rows] = list(itertools.chain.from_iterable(tokens))
         host["positions"][rows] = positions
-        kv_slots = np.repeat(np.fromiter(slots, np.int64, n), counts)
         host["kv_rows"][rows] = kv_slots * max_len + positions
         host["lengths"][rows] = positions + 1
-        host["params"].view(np.float32).reshape(-1, 3)[placed.pick] = work.params
-        host["rng"].reshape(self.layout.steps, -1, 3)[0, placed.pick] = work.rng
+        self._params[placed.pick] = work.params
+        self._rng[0, placed.pick] = work.rng
         if self.layout.steps > 1:
             self._later_steps(placed, np.asarray(work.takes))
 
@@ -309,7 +321,7 @@ class StepInputs:
         for name, idle in (("positions", IDLE), ("kv_rows", IDLE), ("lengths", 0)):
             grid = host[name].reshape(k, -1)
             grid[1:, rows] = np.where(on, grid[0, rows] + later, idle)
-        rng = host["rng"].reshape(k, -1, 3)
+        rng = self._rng
         rng[1:, placed.pick] = rng[0, placed.pick]
         rng[1:, placed.pick, 2] += later.astype(np.int32)  # the draw's counter
 
@@ -685,7 +697,8 @@ class StepProgram:
             batch.wait(timeout).check()
             # one copy that keeps the GIL, and numpy: each torch call lets it go (engine._Outbox)
             rt.read(self.readback, self.host)
-            tokens, sums = self.host[0][steps][:, picks], self.host[1][steps][:, picks]
+            rows = placed.pick  # an array: numpy would make one of the list each time
+            tokens, sums = self.host[0][steps][:, rows], self.host[1][steps][:, rows]
             chosen, finite = tokens.T.tolist(), np.isfinite(sums.view(np.float32)).T.tolist()
             if self.layout.steps > 1:  # a row idles in the sub-steps past its takes
                 chosen = [row[:n] for row, n in zip(chosen, work.takes)]
