@@ -283,7 +283,7 @@ class StepInputs:
         its first `takes` sub-steps, idle rows and greedy idle picks elsewhere, and the clock
         value to wait for; `uploads` takes them to the device."""
         host = self._host
-        np.copyto(self._words, self._idle)  # one call: each fill was a numpy call of its own
+        np.copyto(self._words, self._idle)  # one numpy call, where a fill per name took seven
         host["expect"][0] = expect
         host["picks"][:] = placed.rows
         # the spans' columns, taken apart without Python per span (there is one a request)
