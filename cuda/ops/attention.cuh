@@ -100,8 +100,11 @@ struct GpuosKeys {
   const char* newest;
 
   __device__ __forceinline__ const char* key(int64_t l) const {
-    return l == last ? newest : p + l * lstep;
+    return l == last ? newest : row(l);
   }
+  /* The cache's row l, which for key `last` is not the one key() reads (prefetches and walks
+   * that never reach it). */
+  __device__ __forceinline__ const char* row(int64_t l) const { return p + l * lstep; }
   __device__ __forceinline__ void advance(int d, int64_t i) { p += i * gpuos_step(*ref, d); }
 };
 
@@ -359,7 +362,7 @@ __device__ __forceinline__ void gpuos_attn_prefetch(const GpuosAttnItem& it, int
   const int lane = threadIdx.x % GPUOS_WARP, key = kb + lane % GPUOS_ATTN_TILE;
   if (key >= it.k1) return;
   const GpuosKeys& m = lane < GPUOS_ATTN_TILE ? it.k : it.v;
-  const char* row = m.p + key * m.lstep;
+  const char* row = m.row(key);
   GPUOS_ROLLED
   for (int at = 0; at < bytes; at += 128) gpuos_prefetch_line(row + at);
 }
@@ -385,7 +388,7 @@ __device__ __forceinline__ GpuosAttnPair gpuos_attn_pair(const GpuosKeys& m, con
 /* Row `first` + g's address at byte 16 c of m, the first `at` of gpuos_attn_pair. */
 __device__ __forceinline__ const char* gpuos_attn_walk(const GpuosKeys& m, int first) {
   const int lane = threadIdx.x % GPUOS_WARP;
-  return m.p + (first + (lane >> 2)) * m.lstep + 16 * (lane & 3);
+  return m.row(first + (lane >> 2)) + 16 * (lane & 3);
 }
 
 /* Lane (g, c)'s 16 bytes at 64 s of its pair's rows (a: lo, b: hi), for the 32-dim steps
