@@ -270,16 +270,16 @@ def step(
     pool = KVPool.allocate(model.config, slots, max_len, model.dtype, "cuda")
     pool.keys.normal_()
     pool.values.normal_()
-    params = np.zeros((len(spans), 3), dtype=np.float32)
-    rng = np.zeros((len(spans), 3), dtype=np.int32)
-    work = StepWork.of(spans, [steps] * len(spans), params, rng, keep_logits=False)
-    layout = Layout.of(work, slots)
+    layout = Layout.of(spans, slots, steps)
     chain = StepChain(layout.picks, layout.steps, rt.device)
     tables = rotary_tables(model, max_len)
     arena = Arena(rt.device)
     sp = StepProgram(rt, model, pool, layout, tables, chain, 0, arena, fusable(rt.table))
+    params = np.zeros((len(spans), 3), dtype=np.float32)
+    rng = np.zeros((len(spans), 3), dtype=np.int32)
+    work = StepWork(spans, [layout.steps] * len(spans), params, rng, keep_logits=False)
     # every run waits for a clock value of 0 (its own ticks only move the clock past it)
-    sp.inputs.write(work, sp.layout.place(work), pool.max_len, expect=0)
+    sp.inputs.write(work, sp.layout.place(spans), pool.max_len, expect=0)
     sp.inputs.device.copy_(sp.inputs.host)  # once: the runs below submit the program alone
     return sp.program
 

@@ -9,8 +9,6 @@ keys tie within float rounding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
@@ -47,7 +45,7 @@ def rng_rows(seeds: list[int], steps: list[int]) -> torch.Tensor:
     return torch.from_numpy(rng_words(seeds, steps))
 
 
-def rng_words(seeds: Sequence[int] | np.ndarray, steps: Sequence[int] | np.ndarray) -> np.ndarray:
+def rng_words(seeds: list[int], steps: list[int]) -> np.ndarray:
     """rng_rows as a numpy array (what the LLM engine writes into a step's inputs, every step:
     no Python per row)."""
     if len(seeds) != len(steps):

@@ -87,13 +87,8 @@ def fed(pick: int | np.ndarray) -> int | np.ndarray:
     return -2 - pick
 
 
-@overload
-def groups_of(tokens: int) -> int: ...
-@overload
-def groups_of(tokens: np.ndarray) -> np.ndarray: ...
-def groups_of(tokens: int | np.ndarray) -> int | np.ndarray:
-    """Groups a span of `tokens` takes (or a budget of that many rows needs); elementwise over
-    an array of counts."""
+def groups_of(tokens: int) -> int:
+    """Groups a span of `tokens` takes (or a budget of that many rows needs)."""
     return -(-tokens // GROUP_ROWS)
 
 
@@ -131,17 +126,15 @@ class Layout:
             raise ValueError(f"{self}: only a decode-only layout runs several steps")
 
     @classmethod
-    def of(cls, work: StepWork, slots: int) -> Layout:
-        """The layout of `work`'s spans in a pool of `slots`, run `work.steps` times (decode
-        spans only beyond one): decode rows rounded up to a power of two (at most `slots`) and
-        groups to a `bucket`, so that a request joining or leaving, or a prompt of another
-        length, rarely needs a new program."""
-        if work.decoding:  # the common step: no span longer than a row
-            return cls(decode_rows(int(work.slots.max()) + 1, slots), 0, work.steps)
-        single = work.counts == 1
-        decode = decode_rows(int(work.slots[single].max()) + 1, slots) if single.any() else 0
-        need = int(groups_of(work.counts[~single]).sum())
-        return cls(decode, bucket(need) if need else 0, work.steps)
+    def of(cls, spans: Sequence[Span], slots: int, steps: int = 1) -> Layout:
+        """The layout of `spans` in a pool of `slots`, run `steps` times (decode spans only
+        beyond one): decode rows rounded up to a power of two (at most `slots`) and groups to a
+        `bucket`, so that a request joining or leaving, or a prompt of another length, rarely
+        needs a new program."""
+        singles = [s.slot for s in spans if len(s.tokens) == 1]
+        decode = decode_rows(max(singles) + 1, slots) if singles else 0
+        need = sum(groups_of(len(s.tokens)) for s in spans if len(s.tokens) > 1)
+        return cls(decode, bucket(need) if need else 0, steps)
 
     @classmethod
     def decoding(cls, slots: int, steps: int) -> list[Layout]:
@@ -165,25 +158,26 @@ class Layout:
         """Logits rows: one per decode row and per group (a longer span takes one at least)."""
         return self.decode + self.groups
 
-    def place(self, work: StepWork) -> Placement:
-        """Where `work`'s spans (which this layout fits: Layout.of) sit: decode spans at their
-        slots' rows, longer ones in groups in the order given."""
+    def place(self, spans: Sequence[Span]) -> Placement:
+        """Where `spans` (which this layout fits: Layout.of) sit: decode spans at their slots'
+        rows, longer ones in groups in the order given."""
+        n = len(spans)
         rows = np.zeros(self.picks, dtype=np.int64)
         rows[: self.decode] = np.arange(self.decode)
         slots = np.zeros(self.groups, dtype=np.int64)
-        if not self.groups:  # every span is one decode row (Layout.of): at its slot's row
-            return Placement(work.slots, work.slots, rows, slots)
-        n = len(work.slots)
+        if not self.groups:  # every span is one decode row (Layout.of): no loop over them
+            first = np.fromiter([s.slot for s in spans], np.int64, n)
+            return Placement(first, first, rows, slots)
         first, pick = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         group, longer = 0, self.decode
-        for i, (slot, count) in enumerate(zip(work.slots.tolist(), work.counts.tolist())):
-            if count == 1:
-                first[i] = pick[i] = slot
+        for i, s in enumerate(spans):
+            if len(s.tokens) == 1:
+                first[i] = pick[i] = s.slot
                 continue
-            taken = groups_of(count)
+            taken = groups_of(len(s.tokens))
             first[i], pick[i] = self.decode + group * GROUP_ROWS, longer
-            rows[longer] = first[i] + count - 1
-            slots[group : group + taken] = slot
+            rows[longer] = first[i] + len(s.tokens) - 1
+            slots[group : group + taken] = s.slot
             group, longer = group + taken, longer + 1
         return Placement(first, pick, rows, slots)
 
@@ -217,55 +211,21 @@ def decode_rows(used: int, slots: int) -> int:
 
 
 class StepWork(NamedTuple):
-    """What one step runs, as columns (a step is built every few hundred µs: no object a
-    request): per span (a request's rows), its KV slot, the position of its first row, its row
-    count, and how many times its row runs back to back (all 1, or for decode spans only up to
-    the program's steps, the most of them that); the rows' tokens, span after span; the spans'
-    sampling rows (params float32 and rng int32, [spans, 3] each: the first run's draws); and
-    whether the logits come back too."""
+    """What one step runs: the spans, each span's row run `takes` times back to back (all 1, or
+    for decode spans only up to the program's steps, the most of them that), their sampling
+    rows (params float32 and rng int32, [spans, 3] each: the first run's draws), and whether
+    the logits come back too."""
 
-    slots: np.ndarray  # int64 [spans]
-    starts: np.ndarray  # int64 [spans]
-    counts: np.ndarray  # int64 [spans], each >= 1
-    takes: np.ndarray  # int64 [spans]
-    tokens: np.ndarray  # int64 [rows]: counts.sum() of them
+    spans: Sequence[Span]
+    takes: Sequence[int]
     params: np.ndarray
     rng: np.ndarray
     keep_logits: bool
 
-    @classmethod
-    def of(
-        cls,
-        spans: Sequence[Span],
-        takes: Sequence[int],
-        params: np.ndarray,
-        rng: np.ndarray,
-        keep_logits: bool,
-    ) -> StepWork:
-        """The work of `spans` (one object each: a test's, a benchmark's)."""
-        n = len(spans)
-        column = lambda xs: np.fromiter(xs, np.int64, n)  # noqa: E731
-        tokens = np.fromiter(itertools.chain.from_iterable(s.tokens for s in spans), np.int64)
-        counts = column(len(s.tokens) for s in spans)
-        slots, starts = column(s.slot for s in spans), column(s.start for s in spans)
-        return cls(slots, starts, counts, column(takes), tokens, params, rng, keep_logits)
-
-    def spans(self) -> list[Span]:
-        """Its spans, an object each (the torch forward's)."""
-        ends = np.cumsum(self.counts).tolist()
-        tokens = self.tokens.tolist()
-        each = zip(self.slots.tolist(), self.starts.tolist(), self.counts.tolist(), ends)
-        return [Span(slot, start, tuple(tokens[end - n : end])) for slot, start, n, end in each]
-
-    @property
-    def decoding(self) -> bool:
-        """Whether every span is one row."""
-        return len(self.tokens) == len(self.slots)
-
     @property
     def steps(self) -> int:
         """Decode steps its program runs back to back."""
-        return int(self.takes.max())
+        return max(self.takes)
 
 
 # Inputs of each sub-step of a layout's program (StepInputs: [steps, ...]); the others are shared.
@@ -326,26 +286,29 @@ class StepInputs:
         np.copyto(self._words, self._idle)  # one numpy call, where a fill per name took seven
         host["expect"][0] = expect
         host["picks"][:] = placed.rows
+        # the spans' columns, taken apart without Python per span (there is one a request)
+        slots, starts, tokens = zip(*work.spans)
+        n = len(slots)
         if self.layout.groups:
-            counts = work.counts
+            counts = np.fromiter(map(len, tokens), np.int64, n)
             # row r of span i: first_i + k, position start_i + k, for k < count_i (no loop per
             # row)
-            k = np.arange(len(work.tokens)) - np.repeat(np.cumsum(counts) - counts, counts)
+            k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
             rows = np.repeat(placed.first, counts) + k
-            positions = np.repeat(work.starts, counts) + k
-            kv_slots = np.repeat(work.slots, counts)
+            positions = np.repeat(np.fromiter(starts, np.int64, n), counts) + k
+            kv_slots = np.repeat(np.fromiter(slots, np.int64, n), counts)
         else:  # every span is one decode row, at its slot's (place)
             rows = kv_slots = placed.first
-            positions = work.starts
+            positions = np.fromiter(starts, np.int64, n)
         # the first sub-step's words come first in each STEPWISE array
-        host["tokens"][rows] = work.tokens
+        host["tokens"][rows] = list(itertools.chain.from_iterable(tokens))
         host["positions"][rows] = positions
         host["kv_rows"][rows] = kv_slots * max_len + positions
         host["lengths"][rows] = positions + 1
         self._params[placed.pick] = work.params
         self._rng[0, placed.pick] = work.rng
         if self.layout.steps > 1:
-            self._later_steps(placed, work.takes)
+            self._later_steps(placed, np.asarray(work.takes))
 
     def _later_steps(self, placed: Placement, takes: np.ndarray) -> None:
         """Sub-steps 1.. of a decode-only layout, from the first's words: each row in the first
@@ -641,10 +604,10 @@ class ProgramOps:
 @dataclass(frozen=True)
 class StepResult:
     """What a step hands back, per span in the order given, per sub-step (one, unless the step
-    ran several: Layout.steps; a span's columns past its `takes` are not its)."""
+    ran several: Layout.steps)."""
 
-    tokens: np.ndarray  # [spans, steps]: the tokens chosen from the span's last row
-    finite: np.ndarray  # [spans, steps] bool: whether those rows' logits were all finite
+    tokens: list[list[int]]  # the tokens chosen from the span's last row, a sub-step each it ran
+    finite: list[list[bool]]  # whether those rows' logits were all finite
     logits: torch.Tensor | None  # [spans, steps, vocab] fp32 on the CPU, when asked for
 
 
@@ -653,7 +616,7 @@ class Launched:
     """A step on its way: each span's logits row (what `fed` names in the next step), and the
     call that waits for the step and reads back its tokens."""
 
-    picks: np.ndarray  # int64 [spans]
+    picks: list[int]
     result: Callable[[], StepResult]
 
 
@@ -721,25 +684,28 @@ class StepProgram:
         """Write the step's inputs (`expect`: the clock value of the previous step's tick) and
         submit the program; the result waits for it and reads back the spans' tokens, `takes`
         each."""
-        placed = self.layout.place(work)
+        placed = self.layout.place(work.spans)
         self.inputs.write(work, placed, self.max_len, expect)
         if self.binding is not None:
             addresses = placed.slots.astype(np.uint64) * np.uint64(self.slot_bytes)
             self.program.rebind(self.binding, addresses)
         batch = rt.submit(self.program, self.inputs.uploads)
+        picks = placed.pick.tolist()
         steps = slice(self.layout.steps - 1, None, -1)  # the sub-steps' rows, in their order
 
         def result() -> StepResult:
             batch.wait(timeout).check()
             # one copy that keeps the GIL, and numpy: each torch call lets it go (engine._Outbox)
             rt.read(self.readback, self.host)
-            rows = placed.pick
+            rows = placed.pick  # an array: numpy would make one of the list each time
             tokens, sums = self.host[0][steps][:, rows], self.host[1][steps][:, rows]
-            finite = np.isfinite(sums.view(np.float32))
-            picks = rows.tolist()
+            chosen, finite = tokens.T.tolist(), np.isfinite(sums.view(np.float32)).T.tolist()
+            if self.layout.steps > 1:  # a row idles in the sub-steps past its takes
+                chosen = [row[:n] for row, n in zip(chosen, work.takes)]
+                finite = [row[:n] for row, n in zip(finite, work.takes)]
             logits = (
                 torch.stack([x[picks] for x in self.logits], 1).cpu() if work.keep_logits else None
             )
-            return StepResult(tokens.T, finite.T, logits)
+            return StepResult(chosen, finite, logits)
 
-        return Launched(placed.pick, result)
+        return Launched(picks, result)

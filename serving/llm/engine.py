@@ -61,7 +61,7 @@ from serving.llm.device_step import (
     fed,
     fusable,
 )
-from serving.llm.forward import TorchOps, forward
+from serving.llm.forward import Span, TorchOps, forward
 from serving.llm.model import KVPool, Model, rotary_tables
 from serving.llm.sampling import SamplingParams, StopMatcher
 from serving.llm.tokenizer import TextStream, Tokenizer
@@ -210,10 +210,8 @@ class _Stream:
 
 @dataclass(eq=False)
 class _Request:
-    """A request the engine holds: waiting for a slot, then running (its counters then live in
-    the engine's `_Slots`, at its slot's row)."""
+    """A request the engine holds: waiting for a slot, then running."""
 
-    number: int  # the engine's count of requests when it was submitted: who holds a slot
     prompt: list[int]
     params: SamplingParams
     stream: _Stream
@@ -223,6 +221,9 @@ class _Request:
     limit: int  # tokens it may generate: max_tokens, or fewer where the context ends first
     sampling: tuple[float, float, float]  # (temperature, top_p, top_k): sample_tokens' row
     slot: int = -1  # KV slot while running
+    queued: int = 0  # tokens whose keys/values the steps launched so far store in the slot
+    inflight: int = 0  # tokens launched steps choose for it that were not collected yet
+    feed: int = -1  # while inflight: the logits row of its next token in the latest step
     finished: bool = False  # its last delta was sent: later tokens are dropped
 
     @property
@@ -234,6 +235,18 @@ class _Request:
         """Its tokens collected so far (its stream's)."""
         return self.stream.tokens
 
+    def room(self) -> int:
+        """Tokens it may still choose, those in flight counted: what its limit leaves."""
+        return self.limit - len(self.stream.tokens) - self.inflight
+
+    def spent(self, eos: frozenset[int]) -> bool:
+        """Whether its tokens so far, those still in flight counted, end it (eos, max_tokens,
+        the context), before its text is looked at: it must not run another row. (Asked of
+        every request every step: no property or method in between.)"""
+        tokens = self.stream.tokens
+        eos_seen = not self.inflight and bool(tokens) and tokens[-1] in eos
+        return eos_seen or len(tokens) + self.inflight >= self.limit
+
     def keep(self, count: int) -> None:
         """Drop what it collected after its first `count` tokens (chosen past its end, in a
         step of several)."""
@@ -241,58 +254,41 @@ class _Request:
         for collected in (stream.tokens, stream.token_times, stream.logits or []):
             del collected[count:]
 
-    def rows(self, start: int, count: int) -> list[int]:
-        """Its `count` tokens from position `start` on, none of them in flight: the prompt's
-        rest, then the tokens collected."""
-        prompt = self.prompt
-        if start < len(prompt):
-            return (prompt[start:] + self.generated)[:count]
-        return self.generated[start - len(prompt) :][:count]
-
-
-class _Slots:
-    """The running requests' counters, a row per KV slot (vLLM's persistent batch): the step
-    loop reads and updates every running request's with a numpy call, where a loop over the
-    requests cost a few µs a request a step (bench/NOTES.md). Used by the engine thread only."""
-
-    def __init__(self, slots: int) -> None:
-        column = lambda: np.zeros(slots, dtype=np.int64)  # noqa: E731
-        self.owner = np.full(slots, -1, dtype=np.int64)  # number of the request in it; -1: free
-        self.prompt = column()  # its prompt's length
-        self.limit = column()  # tokens it may generate
-        self.queued = column()  # tokens whose keys/values the steps launched store in the slot
-        self.chosen = column()  # tokens the steps launched choose for it: its next draw's index
-        self.collected = column()  # ... of which the host took so far
-        self.feed = column()  # while chosen > collected: its next token's logits row in the
-        # latest step
-        self.last = column()  # the last token collected
-        self.seed = np.zeros(slots, dtype=np.uint64)
-        self.sampling = np.zeros((slots, 3), dtype=np.float32)
-        self.keeps = np.zeros(slots, dtype=bool)  # its stream keeps the logits
-
-    def admit(self, r: _Request) -> None:
-        """`r` takes its slot: nothing queued or chosen yet."""
-        s = r.slot
-        self.owner[s], self.prompt[s], self.limit[s] = r.number, len(r.prompt), r.limit
-        self.queued[s] = self.chosen[s] = self.collected[s] = 0
-        self.seed[s], self.sampling[s] = r.seed, r.sampling
-        self.keeps[s] = r.stream.logits is not None
+    def pending_tokens(self) -> list[int]:
+        """Tokens to feed next: the prompt (rest) first, then the last generated token, or the
+        one the latest step is choosing (`fed`: taken on the device). No copy of the whole
+        sequence: this runs for every request every step."""
+        if self.inflight:  # that step fed every token before it
+            return [fed(self.feed)]
+        if self.queued < len(self.prompt):
+            return self.prompt[self.queued :] + self.generated
+        return self.generated[self.queued - len(self.prompt) :]
 
 
 @dataclass(frozen=True)
 class _Step:
-    """The step boundary: which requests run, and per request (in columns, as its `work`)
-    its slot, who held the slot then, the rows it brings, whether the step chooses its next
-    token (its span ends with its last pending row; a prompt chunk before the last does not),
-    and the decode steps its row runs back to back (one unless every span is one decode row;
-    then as many of the step's as its room allows)."""
+    """The step boundary: which requests run and the span of rows each brings."""
 
     requests: tuple[_Request, ...]
-    owners: np.ndarray
-    chooses: np.ndarray  # bool
-    work: StepWork  # what the forward runs: the spans and their runs; sample_tokens' params
-    # (float32) and rng (int32) rows, a request's draw depending on its seed and its token's
-    # index only, never on its batch; and the logits when a stream keeps them
+    spans: tuple[Span, ...]  # per request, in order
+    chooses: tuple[bool, ...]  # per request: its span ends with its last pending row (the step
+    # chooses its next token; a prompt chunk before the last does not)
+    takes: tuple[int, ...]  # per request: the decode steps its row runs back to back (one
+    # unless every span is one decode row; then as many of the step's as its room allows)
+
+    def work(self) -> StepWork:
+        """What the forward runs: the spans and their runs; sample_tokens' params (float32) and
+        rng (int32) rows, [requests, 3] each, a request's draw depending on its seed and its
+        token's index only, never on its batch; and the logits when a stream keeps them.
+        Called before the step is launched, while `inflight` counts the tokens chosen before
+        this one."""
+        requests = self.requests
+        rows = itertools.chain.from_iterable(r.sampling for r in requests)
+        params = np.fromiter(rows, np.float32, 3 * len(requests)).reshape(-1, 3)
+        draws = [len(r.stream.tokens) + r.inflight for r in requests]
+        rng = rng_words([r.seed for r in requests], draws)
+        keep = any(r.stream.logits is not None for r in requests)
+        return StepWork(self.spans, self.takes, params, rng, keep)
 
 
 class NonFiniteLogitsError(GpuosError):
@@ -329,14 +325,14 @@ class _TorchForward:
 
     def start(self, work: StepWork) -> Launched:
         assert work.steps == 1, "the torch forward runs a step at a time"
-        logits = forward(self.model, TorchOps(self.model.config, self.kv, work.spans()))
+        logits = forward(self.model, TorchOps(self.model.config, self.kv, work.spans))
         params, rng = (torch.from_numpy(a).to(logits.device) for a in (work.params, work.rng))
         done = StepResult(
-            sample_rows(logits, params, rng)[:, None].cpu().numpy(),
-            logits.isfinite().all(-1, keepdim=True).cpu().numpy(),
+            sample_rows(logits, params, rng)[:, None].tolist(),
+            logits.isfinite().all(-1, keepdim=True).tolist(),
             logits[:, None].cpu() if work.keep_logits else None,
         )
-        return Launched(np.arange(len(work.slots)), lambda: done)
+        return Launched(list(range(len(work.spans))), lambda: done)
 
     def resync(self) -> None:
         pass  # nothing runs after start returns
@@ -391,7 +387,7 @@ class _ProgramForward:
                 self._program(layout, parity)
 
     def start(self, work: StepWork) -> Launched:
-        layout = Layout.of(work, self.kv.slots)
+        layout = Layout.of(work.spans, self.kv.slots, work.steps)
         program = self._program(layout, self.chain.parity)
         self._last = program.start(self.runtime, work, 60, self.chain.next())
         return self._last
@@ -469,9 +465,6 @@ class Engine:
         )
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
-        self._slots = _Slots(self.config.max_running)  # the running requests' counters
-        self._order: np.ndarray | None = None  # their slots in _running's order (None: to make)
-        self._numbers = itertools.count()  # _Request.number
         # Tokens collected whose text is not emitted yet: (request, how many of its tokens are
         # collected up to this one), or (request, -1): the next token's logits were not finite.
         self._unsent: list[tuple[_Request, int]] = []
@@ -531,7 +524,6 @@ class Engine:
         sampling = params.temperature, params.top_p, float(params.top_k)
         requests = [
             _Request(
-                next(self._numbers),
                 list(prompt),
                 params,
                 _Stream(loop, self._outbox, self._cancelled, keep_logits, incremental),
@@ -640,7 +632,7 @@ class Engine:
             out = done[1].result()
             waited = time.perf_counter() - waiting
             self._collect(done[0], out)
-            self.steps += done[0].work.steps
+            self.steps += max(done[0].takes)
         self._emit()
         self.wait_s += waited
         self.host_s += time.perf_counter() - began - waited
@@ -662,103 +654,70 @@ class Engine:
             while self._waiting and self._free:
                 request = self._waiting.popleft()
                 request.slot = heapq.heappop(self._free)
-                self._slots.admit(request)
                 self._running.append(request)
-                self._order = None
             quiet = not (self._waiting or self._arrived)
             self._arrived = False
-        if self._order is None:
-            running = self._running
-            self._order = np.fromiter((r.slot for r in running), np.int64, len(running))
-        return self._spans(self._order, quiet)
-
-    def _spans(self, order: np.ndarray, quiet: bool) -> _Step | None:
-        """The step of the running requests (`order`: their slots, in order): each brings its
-        pending rows while the step's budget lasts, the token the latest step chooses for it
-        (taken on the device: `fed`), or its prompt's rest and the tokens collected since; none
-        where its limit is reached, counting the tokens in flight. (An eos ended its request at
-        the _emit after its collect.) `quiet`: no request waits or arrived since the last step."""
-        st = self._slots
-        queued, chosen, collected = st.queued[order], st.chosen[order], st.collected[order]
-        flying = chosen > collected
-        need = np.where(flying, 1, st.prompt[order] + collected - queued)
-        need[chosen >= st.limit[order]] = 0
-        budget = self.config.max_step_tokens - (np.cumsum(need) - need)
-        counts = np.minimum(np.maximum(budget, 0), need)
-        taken = np.flatnonzero(counts)
-        if not len(taken):
+        budget, requests, spans, chooses = self.config.max_step_tokens, [], [], []
+        decoding, eos = True, self.tokenizer.eos_ids
+        for r in self._running:
+            if budget <= 0:
+                break
+            if r.spent(eos):
+                continue  # ends at an _emit to come
+            pending = r.pending_tokens()
+            take = pending[:budget]
+            requests.append(r)
+            spans.append(Span(r.slot, r.queued, tuple(take)))
+            chooses.append(len(take) == len(pending))
+            budget -= len(take)
+            decoding = decoding and len(pending) == 1
+        if not requests:
             return None
-        if len(taken) == len(order):  # the common step: every running request brings rows
-            requests, slots, starts, chosen = tuple(self._running), order, queued, chosen
-        else:
-            requests = tuple(self._running[i] for i in taken.tolist())
-            slots, starts, chosen = order[taken], queued[taken], chosen[taken]
-            need, counts, flying = need[taken], counts[taken], flying[taken]
-        chooses = counts == need
-        if flying.all():  # the common step again: every row takes its token on the device
-            tokens = fed(st.feed[slots])
-        elif (flying | (chooses & (counts == 1) & (starts >= st.prompt[slots]))).all():
-            # decode rows only, some of them after a step that did not chain (the torch forward)
-            tokens = np.where(flying, fed(st.feed[slots]), st.last[slots])
-        else:  # prompt chunks: their tokens from the requests
-            pieces = [
-                [fed(int(feed))] if flies else r.rows(start, count)
-                for r, flies, feed, start, count in zip(
-                    requests, flying, st.feed[slots], starts.tolist(), counts.tolist()
-                )
-            ]
-            tokens = np.fromiter(itertools.chain.from_iterable(pieces), np.int64)
-        # several decode steps only where every span is one row that chooses a token
-        takes = self._takes(slots, quiet and len(tokens) == len(slots) and bool(chooses.all()))
-        rng = rng_words(st.seed[slots], chosen)
-        keep = bool(st.keeps[slots].any())
-        work = StepWork(slots, starts, counts, takes, tokens, st.sampling[slots], rng, keep)
-        return _Step(requests, st.owner[slots], chooses, work)
+        takes = self._takes(requests, decoding and quiet)
+        return _Step(tuple(requests), tuple(spans), tuple(chooses), takes)
 
-    def _takes(self, slots: np.ndarray, several: bool) -> np.ndarray:
-        """The decode steps the row of each of `slots` runs: one each (a scheduled request has
-        room for one), unless the forward runs several, the step may (`several`: every request
+    def _takes(self, requests: list[_Request], several: bool) -> tuple[int, ...]:
+        """The decode steps each request's row runs: one each (a scheduled request has room
+        for one), unless the forward runs several, the step may (`several`: every request
         brings one decode row, none waits or arrived) and one has room for all of them; then as
         many as each one's room allows."""
         steps = self._forward.steps
         if steps > 1 and several:
-            rooms = self._slots.limit[slots] - self._slots.chosen[slots]
-            if rooms.max() >= steps:
-                return np.minimum(rooms, steps)
-        return np.ones(len(slots), dtype=np.int64)
+            rooms = [r.room() for r in requests]
+            if max(rooms) >= steps:
+                return tuple(min(steps, room) for room in rooms)
+        return (1,) * len(requests)
 
     # -- the forward ---------------------------------------------------------------------------
     def _launch(self, step: _Step) -> Launched:
         """Start the step; its result waits for the tokens (and, when a stream keeps them,
-        logits) of each span's last row, a sub-step each. The requests' slots count its rows as
-        queued and the tokens it chooses as chosen."""
-        work, st = step.work, self._slots
-        launched = self._forward.start(work)
+        logits) of each span's last row, a sub-step each. The requests count its rows as queued
+        and the tokens it chooses as in flight."""
+        launched = self._forward.start(step.work())
         self.launches += 1
-        st.queued[work.slots] += work.counts + work.takes - 1  # a decode row's later runs: a row
-        choosing = work.slots[step.chooses]
-        st.chosen[choosing] += work.takes[step.chooses]
-        st.feed[choosing] = launched.picks[step.chooses]
+        each = zip(step.requests, step.spans, step.chooses, step.takes, launched.picks)
+        for r, span, chooses, take, pick in each:
+            r.queued += len(span.tokens) + take - 1  # a decode row's later runs: one row each
+            if chooses:
+                r.inflight, r.feed = r.inflight + take, pick
         return launched
 
     # -- sampling and output -------------------------------------------------------------------
     def _collect(self, step: _Step, out: StepResult) -> None:
         """Take the step's tokens: requests that fed their last pending row get one a sub-step
-        (their text waits for the next _emit), unless they ended meanwhile (their slot is free
-        or another's); non-finite logits end their request there, after the text of the tokens
-        before them."""
-        st, work = self._slots, step.work
-        taking = np.flatnonzero(step.chooses & (st.owner[work.slots] == step.owners))
-        slots, takes = work.slots[taking], work.takes[taking]
-        st.collected[slots] += takes
-        st.last[slots] = out.tokens[taking, takes - 1]
+        (their text waits for the next _emit); non-finite logits end their request there, after
+        the text of the tokens before them."""
         now, unsent = time.perf_counter(), self._unsent
-        tokens, finite = out.tokens[taking].tolist(), out.finite[taking].tolist()
-        for i, take, chosen, fine in zip(taking.tolist(), takes.tolist(), tokens, finite):
-            r = step.requests[i]
+        each = zip(step.requests, step.chooses, step.takes, out.tokens, out.finite)
+        for i, (r, chooses, take, tokens, finite) in enumerate(each):
+            if not chooses:
+                continue  # a prompt chunk
+            r.inflight -= take
+            if r.finished:
+                continue  # ended meanwhile: its rows ran for nothing
             stream = r.stream
-            for j, token in enumerate(chosen[:take]):
-                if not fine[j]:
+            for j, token in enumerate(tokens):
+                if not finite[j]:
                     unsent.append((r, -1))
                     break
                 if out.logits is not None and stream.logits is not None:
@@ -814,8 +773,6 @@ class Engine:
             if r in self._running:
                 self._running.remove(r)
                 heapq.heappush(self._free, r.slot)
-                self._slots.owner[r.slot] = -1
-                self._order = None
             elif r in self._waiting:
                 self._waiting.remove(r)
 

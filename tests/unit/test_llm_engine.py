@@ -250,7 +250,7 @@ def test_prefill_programs_serve_their_layout_in_any_slot_and_order(
             spans = [Span(slot, 0, tuple(p)) for slot, p in zip(slots, batch)]
             greedy = np.zeros((len(spans), 3), dtype=np.float32)
             rng = np.zeros((len(spans), 3), dtype=np.int32)
-            work = StepWork.of(spans, [1] * len(spans), greedy, rng, keep_logits=True)
+            work = StepWork(spans, [1] * len(spans), greedy, rng, keep_logits=True)
             logits = forward.start(work).result().logits
             assert logits is not None
             for row, prompt in zip(logits[:, 0], batch):
@@ -278,7 +278,7 @@ def test_the_least_recently_used_prefill_programs_go_and_decode_programs_stay(
         for length in (6, 40, 6):  # one group, three groups, one group again
             for _ in range(2):
                 span = Span(0, 0, tuple(prompts([length])[0]))
-                forward.start(StepWork.of([span], [1], greedy, rng, keep_logits=False)).result()
+                forward.start(StepWork([span], [1], greedy, rng, keep_logits=False)).result()
         prefill = {key[0] for key in forward._programs if key[0].groups}
         assert prefill == {Layout(0, 1)} and decoding <= set(forward._programs)
         assert engine.stats()["programs"] == len(decoding) + 6
