@@ -27,8 +27,9 @@ class CudaConfig:
     program_claim: int = 1  # ... while a dependent program is being published (its
     # tasks' records then spread over every block)
     stall_timeout_s: float = 10.0  # pending records and no completion this long: stalled
-    publish_chunk: int = 1024  # records staged, copied and published at a time while the
-    # worker has nothing else pending (behind pending work, a part takes all the ring has free)
+    publish_chunk: int = 1024  # records of a batch's first part while the worker has nothing
+    # else pending; each later part at most doubles what went before (behind pending work, a
+    # part takes all the ring has free)
     spin_s: float = 0.0005  # a waiting thread polls completions itself this long
     poll_sleep_s: float = 2e-4  # the poller thread's pause between polls (a thread waiting
     # on a batch polls itself; this bounds async waits)
