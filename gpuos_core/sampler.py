@@ -48,12 +48,24 @@ def rng_rows(seeds: list[int], steps: list[int]) -> torch.Tensor:
 def rng_words(seeds: list[int], steps: list[int]) -> np.ndarray:
     """rng_rows as a numpy array (what the LLM engine writes into a step's inputs, every step:
     no Python per row)."""
-    if len(seeds) != len(steps):
-        raise ValueError(f"{len(seeds)} seeds for {len(steps)} steps")
+    return rng_at(rng_keys(seeds), steps)
+
+
+def rng_keys(seeds: list[int]) -> np.ndarray:
+    """The seeds' words of rng rows, uint32 [R, 3] (steps 0): what a batch of requests keeps
+    while only its steps change (rng_at)."""
     keys = np.array(seeds, dtype=np.uint64)
-    words = np.empty((len(seeds), 3), dtype=np.uint32)
+    words = np.zeros((len(seeds), 3), dtype=np.uint32)
     words[:, 0] = keys & np.uint64(MASK32)
     words[:, 1] = keys >> np.uint64(32)
+    return words
+
+
+def rng_at(keys: np.ndarray, steps: list[int]) -> np.ndarray:
+    """rng rows (int32 bit patterns, a new array) of `keys` (rng_keys) at `steps`."""
+    if len(keys) != len(steps):
+        raise ValueError(f"{len(keys)} seeds for {len(steps)} steps")
+    words = keys.copy()
     words[:, 2] = np.array(steps, dtype=np.int64) & MASK32
     return words.view(np.int32)  # same bits
 

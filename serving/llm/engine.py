@@ -49,7 +49,7 @@ import torch
 from gpuos_core import Runtime
 from gpuos_core.errors import GpuosError
 from gpuos_core.program import Arena
-from gpuos_core.sampler import rng_words, sample_rows
+from gpuos_core.sampler import rng_at, rng_keys, sample_rows
 from gpuos_core.threads import daemon
 from serving.llm.device_step import (
     Launched,
@@ -276,19 +276,41 @@ class _Step:
     takes: tuple[int, ...]  # per request: the decode steps its row runs back to back (one
     # unless every span is one decode row; then as many of the step's as its room allows)
 
-    def work(self) -> StepWork:
+    def work(self, sampling: _SamplingRows) -> StepWork:
         """What the forward runs: the spans and their runs; sample_tokens' params (float32) and
         rng (int32) rows, [requests, 3] each, a request's draw depending on its seed and its
         token's index only, never on its batch; and the logits when a stream keeps them.
         Called before the step is launched, while `inflight` counts the tokens chosen before
-        this one."""
+        this one; `sampling` keeps the rows that do not change from step to step."""
         requests = self.requests
-        rows = itertools.chain.from_iterable(r.sampling for r in requests)
-        params = np.fromiter(rows, np.float32, 3 * len(requests)).reshape(-1, 3)
+        rows = sampling.of(requests)
         draws = [len(r.stream.tokens) + r.inflight for r in requests]
-        rng = rng_words([r.seed for r in requests], draws)
-        keep = any(r.stream.logits is not None for r in requests)
-        return StepWork(self.spans, self.takes, params, rng, keep)
+        rng = rng_at(rows.keys, draws)
+        return StepWork(self.spans, self.takes, rows.params, rng, rows.keep)
+
+
+class _SamplingRows:
+    """sample_tokens' params, the rng rows' keys, and whether a stream keeps its logits, of the
+    requests last asked for: fixed when each is submitted, so kept while the same requests run
+    in the same order (every decode step of a steady batch), where a step then makes only its
+    draws' counters (made anew, they took ~50 µs of a slow host's 64-request step). Used by the
+    engine thread only."""
+
+    def __init__(self) -> None:
+        self.requests: tuple[_Request, ...] = ()
+        self.params = np.zeros((0, 3), dtype=np.float32)
+        self.keys = rng_keys([])
+        self.keep = False
+
+    def of(self, requests: tuple[_Request, ...]) -> _SamplingRows:
+        """These rows for `requests` (made when they are not the last ones asked for)."""
+        if requests != self.requests:  # each compared by identity (eq=False): 64 take ~2 µs
+            rows = itertools.chain.from_iterable(r.sampling for r in requests)
+            self.params = np.fromiter(rows, np.float32, 3 * len(requests)).reshape(-1, 3)
+            self.keys = rng_keys([r.seed for r in requests])
+            self.keep = any(r.stream.logits is not None for r in requests)
+            self.requests = requests
+        return self
 
 
 class NonFiniteLogitsError(GpuosError):
@@ -469,6 +491,7 @@ class Engine:
         # collected up to this one), or (request, -1): the next token's logits were not finite.
         self._unsent: list[tuple[_Request, int]] = []
         self._outbox = _Outbox()  # deltas for event loops, handed over after each step
+        self._sampling = _SamplingRows()  # the sampling rows of the last step's requests
         self._inflight: tuple[_Step, Launched] | None = None  # launched, not collected (chained)
         self._lock = threading.Condition()
         self._closed = False
@@ -672,6 +695,7 @@ class Engine:
             budget -= len(take)
             decoding = decoding and len(pending) == 1
         if not requests:
+            self._sampling = _SamplingRows()  # holds no ended request while nothing runs
             return None
         takes = self._takes(requests, decoding and quiet)
         return _Step(tuple(requests), tuple(spans), tuple(chooses), takes)
@@ -693,7 +717,7 @@ class Engine:
         """Start the step; its result waits for the tokens (and, when a stream keeps them,
         logits) of each span's last row, a sub-step each. The requests count its rows as queued
         and the tokens it chooses as in flight."""
-        launched = self._forward.start(step.work())
+        launched = self._forward.start(step.work(self._sampling))
         self.launches += 1
         each = zip(step.requests, step.spans, step.chooses, step.takes, launched.picks)
         for r, span, chooses, take, pick in each:
