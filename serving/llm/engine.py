@@ -1,6 +1,6 @@
 """Continuous-batching decode engine (docs/DESIGN.md, Serving → LLM engine).
 
-One thread runs steps. A step reads as four calls:
+One thread runs steps. A step reads as three calls:
 
     step = self._schedule()        # admit waiting requests into free KV slots; each running request
                                    # brings a span of new rows (its prompt, in chunks, then 1 token)
@@ -8,9 +8,9 @@ One thread runs steps. A step reads as four calls:
                                    # one device program on the runtime (device_step.py), or torch
     self._collect(previous, ...)   # the previous step's tokens (on the runtime, steps chain on the
                                    # device: this step was queued behind that one, and its rows
-                                   # take that step's tokens there), or this step's with torch
-    self._emit()                   # while the device runs: their text (detokenize, stop strings,
-                                   # stream out, free finished slots)
+                                   # take that step's tokens there), or this step's with torch,
+                                   # and their text while the device runs (detokenize, stop
+                                   # strings, stream out, free finished slots)
 
 So on the runtime the host schedules step k + 1 while step k runs, and a request's next row is
 scheduled before its last token is known (vLLM's asynchronous scheduling): a request that eos
@@ -247,13 +247,6 @@ class _Request:
         eos_seen = not self.inflight and bool(tokens) and tokens[-1] in eos
         return eos_seen or len(tokens) + self.inflight >= self.limit
 
-    def keep(self, count: int) -> None:
-        """Drop what it collected after its first `count` tokens (chosen past its end, in a
-        step of several)."""
-        stream = self.stream
-        for collected in (stream.tokens, stream.token_times, stream.logits or []):
-            del collected[count:]
-
     def pending_tokens(self) -> list[int]:
         """Tokens to feed next: the prompt (rest) first, then the last generated token, or the
         one the latest step is choosing (`fed`: taken on the device). No copy of the whole
@@ -487,9 +480,6 @@ class Engine:
         )
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
-        # Tokens collected whose text is not emitted yet: (request, how many of its tokens are
-        # collected up to this one), or (request, -1): the next token's logits were not finite.
-        self._unsent: list[tuple[_Request, int]] = []
         self._outbox = _Outbox()  # deltas for event loops, handed over after each step
         self._sampling = _SamplingRows()  # the sampling rows of the last step's requests
         self._inflight: tuple[_Step, Launched] | None = None  # launched, not collected (chained)
@@ -656,7 +646,6 @@ class Engine:
             waited = time.perf_counter() - waiting
             self._collect(done[0], out)
             self.steps += max(done[0].takes)
-        self._emit()
         self.wait_s += waited
         self.host_s += time.perf_counter() - began - waited
 
@@ -686,7 +675,7 @@ class Engine:
             if budget <= 0:
                 break
             if r.spent(eos):
-                continue  # ends at an _emit to come
+                continue  # ends at a _collect to come
             pending = r.pending_tokens()
             take = pending[:budget]
             requests.append(r)
@@ -728,63 +717,48 @@ class Engine:
 
     # -- sampling and output -------------------------------------------------------------------
     def _collect(self, step: _Step, out: StepResult) -> None:
-        """Take the step's tokens: requests that fed their last pending row get one a sub-step
-        (their text waits for the next _emit); non-finite logits end their request there, after
-        the text of the tokens before them."""
-        now, unsent = time.perf_counter(), self._unsent
+        """Take the step's tokens and stream their text: requests that fed their last pending
+        row get one a sub-step, each streamed as it is taken, up to one that ends the request
+        (those after it ran for nothing); non-finite logits end their request there, after the
+        text of the tokens before them."""
+        now, eos = time.perf_counter(), self.tokenizer.eos_ids
         each = zip(step.requests, step.chooses, step.takes, out.tokens, out.finite)
         for i, (r, chooses, take, tokens, finite) in enumerate(each):
             if not chooses:
                 continue  # a prompt chunk
             r.inflight -= take
-            if r.finished:
-                continue  # ended meanwhile: its rows ran for nothing
             stream = r.stream
             for j, token in enumerate(tokens):
+                if r.finished:  # ended meanwhile, or by the token before this one
+                    break
                 if not finite[j]:
-                    unsent.append((r, -1))
+                    self._finish(
+                        r,
+                        "",
+                        "error",
+                        f"{NonFiniteLogitsError.__name__}: the logits of "
+                        f"token {len(r.generated)} hold NaN or infinity (an operator the "
+                        "model uses produced them)",
+                    )
                     break
                 if out.logits is not None and stream.logits is not None:
                     stream.logits.append(out.logits[i, j])
                 stream.tokens.append(token)
                 stream.token_times.append(now)
-                unsent.append((r, len(stream.tokens)))
+                self._advance(r, token, eos)
 
-    def _emit(self) -> None:
-        """Text of the tokens taken so far: detokenize, match stop strings, stream, and end the
-        requests they end."""
-        unsent, self._unsent = self._unsent, []
-        eos = self.tokenizer.eos_ids
-        for r, count in unsent:
-            if r.finished:
-                continue
-            if count < 0:
-                self._finish(
-                    r,
-                    "",
-                    "error",
-                    f"{NonFiniteLogitsError.__name__}: the logits of "
-                    f"token {len(r.generated)} hold NaN or infinity (an operator the "
-                    "model uses produced them)",
-                )
-            else:
-                self._advance(r, count, eos)
-
-    def _advance(self, r: _Request, count: int, eos: frozenset[int]) -> None:
-        """The text of its `count`-th token (its first `count` tokens are collected); a token
-        that ends it (`eos`: the tokenizer's) drops those collected after it."""
-        token = r.stream.tokens[count - 1]
+    def _advance(self, r: _Request, token: int, eos: frozenset[int]) -> None:
+        """Stream the text of `token`, its last token collected; end it where that token does
+        (`eos`: the tokenizer's; a stop string; its limit)."""
         self.tokens += 1
         if token in eos:
-            r.keep(count)
             self._finish(r, r.stops.flush(), "stop")
             return
         text, stopped = r.stops.feed(r.detok.push(token))
+        count = len(r.stream.tokens)
         if stopped:
-            r.keep(count)
             self._finish(r, text, "stop")
         elif count >= r.limit:
-            r.keep(count)
             self._finish(r, text + r.stops.flush(), "length")
         elif text:
             r.stream.put(Delta(text, None, len(r.prompt), count))
