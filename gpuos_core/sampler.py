@@ -42,13 +42,7 @@ def philox4x32(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 def rng_rows(seeds: list[int], steps: list[int]) -> torch.Tensor:
     """The int32 [R, 3] rng input of sample_tokens: (seed low word, seed high word, step) per
     row, as int32 bit patterns; seeds in [0, 2^64), steps in [0, 2^32)."""
-    return torch.from_numpy(rng_words(seeds, steps))
-
-
-def rng_words(seeds: list[int], steps: list[int]) -> np.ndarray:
-    """rng_rows as a numpy array (what the LLM engine writes into a step's inputs, every step:
-    no Python per row)."""
-    return rng_at(rng_keys(seeds), steps)
+    return torch.from_numpy(rng_at(rng_keys(seeds), steps))
 
 
 def rng_keys(seeds: list[int]) -> np.ndarray:

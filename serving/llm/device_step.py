@@ -289,17 +289,17 @@ class StepInputs:
         # the spans' columns, taken apart without Python per span (there is one a request)
         slots, starts, tokens = zip(*work.spans)
         n = len(slots)
+        positions = np.fromiter(starts, np.int64, n)
         if self.layout.groups:
             counts = np.fromiter(map(len, tokens), np.int64, n)
             # row r of span i: first_i + k, position start_i + k, for k < count_i (no loop per
             # row)
             k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
             rows = np.repeat(placed.first, counts) + k
-            positions = np.repeat(np.fromiter(starts, np.int64, n), counts) + k
+            positions = np.repeat(positions, counts) + k
             kv_slots = np.repeat(np.fromiter(slots, np.int64, n), counts)
         else:  # every span is one decode row, at its slot's (place)
             rows = kv_slots = placed.first
-            positions = np.fromiter(starts, np.int64, n)
         # the first sub-step's words come first in each STEPWISE array
         host["tokens"][rows] = list(itertools.chain.from_iterable(tokens))
         host["positions"][rows] = positions

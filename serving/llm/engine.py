@@ -236,16 +236,9 @@ class _Request:
         return self.stream.tokens
 
     def room(self) -> int:
-        """Tokens it may still choose, those in flight counted: what its limit leaves."""
+        """Tokens it may still choose, those in flight counted: what its limit leaves. (An eos
+        needs no look here: `_collect` ends its request as it takes it.)"""
         return self.limit - len(self.stream.tokens) - self.inflight
-
-    def spent(self, eos: frozenset[int]) -> bool:
-        """Whether its tokens so far, those still in flight counted, end it (eos, max_tokens,
-        the context), before its text is looked at: it must not run another row. (Asked of
-        every request every step: no property or method in between.)"""
-        tokens = self.stream.tokens
-        eos_seen = not self.inflight and bool(tokens) and tokens[-1] in eos
-        return eos_seen or len(tokens) + self.inflight >= self.limit
 
     def pending_tokens(self) -> list[int]:
         """Tokens to feed next: the prompt (rest) first, then the last generated token, or the
@@ -670,11 +663,11 @@ class Engine:
             quiet = not (self._waiting or self._arrived)
             self._arrived = False
         budget, requests, spans, chooses = self.config.max_step_tokens, [], [], []
-        decoding, eos = True, self.tokenizer.eos_ids
+        decoding = True
         for r in self._running:
             if budget <= 0:
                 break
-            if r.spent(eos):
+            if r.room() <= 0:
                 continue  # ends at a _collect to come
             pending = r.pending_tokens()
             take = pending[:budget]
