@@ -17,7 +17,9 @@ for the worker's lease); torch's graphs are captured before the runtime starts i
 
 Sections (issue 12; each a Section in SECTIONS: its `baseline` runs before the runtime exists,
 `measure` with it; its summary keys join the summary):
-  linear     x @ W^T at GPT-2 and Llama-3.2-1B shapes vs F.linear;
+  linear     x @ W^T at GPT-2 and Llama-3.2-1B shapes vs F.linear, decode rows (1 to 64);
+  prefill    the same at a prefill chunk's rows (128 and 512), where arithmetic bounds it: TFLOP/s
+             beside torch's (summary.linear_prefill_vs_torch_worst);
   attention  decode attention of R requests (1, 8, 64) x 32 query heads over 32 or 8 KV heads,
              head dim 128 (and 64), fp16, ragged lengths 64..2048 in caches of 2048, vs SDPA over
              the padded cache with a length mask; GB/s count the K and V bytes the lengths
@@ -58,6 +60,7 @@ LINEAR_SHAPES = [
     (8192, 2048),
 ]  # (K, N): input dim x output dim
 LINEAR_ROWS = [1, 8, 32, 64]
+PREFILL_ROWS = [128, 512]  # rows of a prefill chunk's matmul (the engine's step is 512 tokens)
 DECODE_ROWS = 64  # rows of a decode step's matmul, at most (summary.linear_min_bw_frac)
 BIG_WEIGHTS = 16 << 20  # ... over weights of at least this many bytes
 ATTN_REQUESTS = [1, 8, 64]  # requests (rows of the engine's attention call)
@@ -168,13 +171,14 @@ def first_error(ref: torch.Tensor, calls: list[OpCall]) -> float:
     return rel_error(calls[0].out, ref)
 
 
-def linear_baseline(ctx: Context, quick: bool) -> list[Case]:
-    """Every (K, N, M) case with torch's per-call time (F.linear from a CUDA graph)."""
+def linear_baseline(rows: list[int], ctx: Context, quick: bool) -> list[Case]:
+    """Every (K, N, M) case, M in `rows`, with torch's per-call time (F.linear from a CUDA
+    graph)."""
     cases = []
     shapes = LINEAR_SHAPES[::3] if quick else LINEAR_SHAPES
     for seed, (k, n) in enumerate(shapes):
         weights = linear_weights(k, n, ctx, seed)
-        for m in LINEAR_ROWS[::3] if quick else LINEAR_ROWS:
+        for m in rows[::3] if quick else rows:
             x = torch.randn(m, k, device=DEV).half()
             graph = functools.partial(
                 graph_of_calls, lambda i: F.linear(x, weights[i % len(weights)])
@@ -189,6 +193,7 @@ def linear_baseline(ctx: Context, quick: bool) -> list[Case]:
                 "torch_ms": torch_ms,
                 "torch_ms_at_100": torch_raw,
                 "bytes": weights[0].nbytes + x.nbytes + 2 * m * n,
+                "flop": 2 * m * n * k,
             }
             outs = torch.empty(2 * CALLS, m, n, dtype=torch.float16, device=DEV)
             ref = F.linear(x.float(), weights[0].float())
@@ -220,6 +225,18 @@ def linear_summary(rows: list[dict]) -> dict[str, float]:
     }
 
 
+def prefill_summary(rows: list[dict]) -> dict[str, float]:
+    return {
+        "linear_prefill_vs_torch_worst": max(r["ours_over_torch"] for r in rows),
+        "linear_prefill_min_tflops": min(tflops(r, "ours_ms") for r in rows),
+        "linear_prefill_max_rel_error": max(r["rel_error"] for r in rows),
+    }
+
+
+def tflops(r: dict, side: str) -> float:
+    return r["flop"] / r[side] / 1e9
+
+
 def timings(r: dict) -> str:
     """The table's columns every section shares: ours and torch's per-call time, GB/s and
     fraction of the copy bandwidth, their ratio and our error."""
@@ -233,6 +250,15 @@ def timings(r: dict) -> str:
 
 def linear_show(r: dict) -> str:
     return f"K={r['k']:5d} N={r['n']:5d} M={r['m']:3d} {r['weight_mb']:6.1f} MB | {timings(r)}"
+
+
+def prefill_show(r: dict) -> str:
+    return (
+        f"K={r['k']:5d} N={r['n']:5d} M={r['m']:3d} | ours {1e3 * r['ours_ms']:8.2f} us "
+        f"{tflops(r, 'ours_ms'):5.0f} TFLOP/s | torch {1e3 * r['torch_ms']:8.2f} us "
+        f"{tflops(r, 'torch_ms'):5.0f} TFLOP/s | ours/torch {r['ours_over_torch']:5.2f} | "
+        f"err {r['rel_error']:.1e}"
+    )
 
 
 # ---- attention ------------------------------------------------------------------------------
@@ -351,7 +377,20 @@ def attention_show(r: dict) -> str:
 
 
 SECTIONS = (
-    Section("linear", linear_baseline, measure, linear_summary, linear_show),
+    Section(
+        "linear",
+        functools.partial(linear_baseline, LINEAR_ROWS),
+        measure,
+        linear_summary,
+        linear_show,
+    ),
+    Section(
+        "prefill",
+        functools.partial(linear_baseline, PREFILL_ROWS),
+        measure,
+        prefill_summary,
+        prefill_show,
+    ),
     Section("attention", attention_baseline, measure, attention_summary, attention_show),
 )
 

@@ -718,6 +718,7 @@ class TickFamily(Family):
 # checks that they agree).
 LINEAR_ROWS = 64  # rows of x per m-block (BM)
 LINEAR_COLS = 64  # outputs per n-tile (BN)
+LINEAR_WIDE = 128  # rows and outputs of a wide plan's tile (prefill rows, warpgroup products)
 LINEAR_KSTEP = 32  # k per step
 LINEAR_STEP_ALIGN = 8  # a split's steps come in multiples of this
 LINEAR_PART_ROWS = 16  # rows of a partial block are rounded up to this
@@ -726,6 +727,10 @@ LINEAR_MAX_SPLITS = 64
 # GPUOS_ADDNORM_MAX_PARTS: the loads of an element's parts are issued together).
 LINEAR_MAX_PARTS = 6
 LINEAR_ITEM_COST = 4  # what starting an item costs, in steps of one tile (plan's cost model)
+# What a wide tile's step costs in the same steps: it reads twice the bytes (128 rows of W and of
+# x, where a 64 x 64 tile reads 64 of each) for four times the products, and the prefill's
+# matmuls are bounded by what L2 delivers to the SMs.
+LINEAR_WIDE_STEP_COST = 2
 # What splitting K costs on top of the partials' bytes, in the same steps: the count-in and the
 # last split's round trips to L2 for the partials (traced on the H200: ~3.5 us at 1 row, ~7 us
 # at 64 rows, against ~0.1-0.4 us a step).
@@ -745,6 +750,15 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 @functools.cache
+def wide_tiles(device: torch.device) -> bool:
+    """Whether the worker on `device` runs wide tiles on tensor cores: warpgroup products, the
+    sm_90a image that jit.device_arch builds for compute capability 9.0; off a GPU, as on the
+    H100 or H200 DEFAULT_SMS assumes, so plans agree. (Elsewhere wide tiles would run, on CUDA
+    cores.)"""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) == (9, 0)
+
+
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device: the worker runs a block on each."""
     if device.type != "cuda":
@@ -761,21 +775,34 @@ def gate_up(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, ...]:
 @dataclass(frozen=True)
 class LinearPlan:
     """How a linear task's work is cut, as cuda/ops/linear.cuh states it: m-blocks of rows of x,
-    n-tiles of outputs and `splits` ranges of K, one work item per (m-block, split, n-tile)."""
+    n-tiles of outputs and `splits` ranges of K, one work item per (m-block, split, n-tile). The
+    tiles are 64 x 64, or 128 x 128 in a wide plan (prefill rows: half the bytes from L2 per
+    product)."""
 
     m: int  # rows of x
     n: int  # outputs
     k: int  # inner dim
     splits: int  # K splits (1: no workspace)
     parts: bool = False  # linear_parts: the splits' sums are the output, never combined
+    wide: bool = False  # tiles of LINEAR_WIDE x LINEAR_WIDE
+
+    @property
+    def block_rows(self) -> int:
+        """Rows of x of an m-block."""
+        return LINEAR_WIDE if self.wide else LINEAR_ROWS
+
+    @property
+    def tile_cols(self) -> int:
+        """Outputs of an n-tile."""
+        return LINEAR_WIDE if self.wide else LINEAR_COLS
 
     @property
     def mblocks(self) -> int:
-        return _ceil_div(self.m, LINEAR_ROWS)
+        return _ceil_div(self.m, self.block_rows)
 
     @property
     def ntiles(self) -> int:
-        return _ceil_div(self.n, LINEAR_COLS)
+        return _ceil_div(self.n, self.tile_cols)
 
     @property
     def tiles(self) -> int:
@@ -794,7 +821,7 @@ class LinearPlan:
     @property
     def prows(self) -> int:
         """Rows of a partial block."""
-        return _ceil_div(min(self.m, LINEAR_ROWS), LINEAR_PART_ROWS) * LINEAR_PART_ROWS
+        return _ceil_div(min(self.m, self.block_rows), LINEAR_PART_ROWS) * LINEAR_PART_ROWS
 
     @property
     def counters(self) -> int:
@@ -805,17 +832,18 @@ class LinearPlan:
     def workspace_words(self) -> int:
         if self.splits == 1 or self.parts:
             return 0
-        return self.counters + self.splits * self.tiles * self.prows * LINEAR_COLS
+        return self.counters + self.splits * self.tiles * self.prows * self.tile_cols
 
     def workspace(self, device: torch.device) -> torch.Tensor:
         """Input 3 as the device reads the plan from it: an empty [splits, 0] in parts mode,
         else the split-K workspace with its counters zeroed (partials are written before they
-        are read)."""
+        are read); a wide plan's has a trailing dim of 1 more."""
         if self.parts:
-            return torch.empty((self.splits, 0), dtype=torch.int32, device=device)
-        words = torch.empty(self.workspace_words, dtype=torch.int32, device=device)
-        words[: self.counters].zero_()
-        return words
+            words = torch.empty((self.splits, 0), dtype=torch.int32, device=device)
+        else:
+            words = torch.empty(self.workspace_words, dtype=torch.int32, device=device)
+            words[: self.counters].zero_()
+        return words[..., None] if self.wide else words
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
@@ -829,28 +857,42 @@ class LinearPlan:
         return _rows(x.shape), w.shape[0], x.shape[-1]
 
     @classmethod
-    def splittings(cls, m: int, n: int, k: int, parts: bool) -> list[LinearPlan]:
+    def splittings(
+        cls, m: int, n: int, k: int, parts: bool, wide: bool = False
+    ) -> list[LinearPlan]:
         """The plans of every split count whose splits all get steps of K (one split always
         does), up to LINEAR_MAX_PARTS in parts mode (its consumer sums them), else
-        LINEAR_MAX_SPLITS."""
+        LINEAR_MAX_SPLITS; of wide tiles when `wide`."""
         most = LINEAR_MAX_PARTS if parts else LINEAR_MAX_SPLITS
-        return [p for s in range(1, most + 1) if (p := cls(m, n, k, s, parts)).whole]
+        return [p for s in range(1, most + 1) if (p := cls(m, n, k, s, parts, wide)).whole]
 
     @classmethod
     def choose(
-        cls, m: int, n: int, k: int, sms: int, parts: bool = False, free: int | None = None
+        cls,
+        m: int,
+        n: int,
+        k: int,
+        sms: int,
+        parts: bool = False,
+        free: int | None = None,
+        wide: bool = False,
     ) -> LinearPlan:
-        """The split of K that should finish soonest on `sms` multiprocessors (a block each): enough
-        items to occupy them, against the cost of writing and summing partials. `parts`: for
-        linear_parts. `free`: the blocks free to claim its records while its producer runs (all
-        of them when None); a plan of more records pays LINEAR_LATE_COST for those claimed as
-        the producer's blocks finish."""
+        """The tiles and split of K that should finish soonest on `sms` multiprocessors (a block
+        each): enough items to occupy them, against the cost of writing and summing partials.
+        `parts`: for linear_parts. `free`: the blocks free to claim its records while its
+        producer runs (all of them when None); a plan of more records pays LINEAR_LATE_COST for
+        those claimed as the producer's blocks finish. `wide`: the device runs wide tiles
+        (wide_tiles), considered past a 64-row m-block and for an even N (the condition of
+        their tensor-core path)."""
 
         def cost(p: LinearPlan) -> tuple[float, int]:
             late = free is not None and free < p.items <= sms
             return p._cost(sms) + (LINEAR_LATE_COST if late else 0.0), p.splits
 
-        return min(cls.splittings(m, n, k, parts), key=cost)
+        plans = cls.splittings(m, n, k, parts)
+        if wide and m > LINEAR_ROWS and n % 2 == 0:
+            plans += cls.splittings(m, n, k, parts, wide=True)
+        return min(plans, key=cost)
 
     @property
     def whole(self) -> bool:
@@ -867,23 +909,27 @@ class LinearPlan:
         one round trip for the row, spread over its records)."""
         if self.items == 0:
             return 0.0
-        partial = self.prows / 16 if self.splits > 1 else 0.0  # 4 KB per 16 rows of fp32
+        # 4 KB per 16 rows of 64 fp32 outputs
+        partial = self.prows / 16 * self.tile_cols / LINEAR_COLS if self.splits > 1 else 0.0
         if self.parts:
             combine = self.splits * partial / 8
         else:
             combine = LINEAR_SPLIT_COST + self.splits * partial / 2 if self.splits > 1 else 0.0
-        return _ceil_div(self.items, sms) * (self.kch + LINEAR_ITEM_COST + partial) + combine
+        steps = self.kch * (LINEAR_WIDE_STEP_COST if self.wide else 1)
+        return _ceil_div(self.items, sms) * (steps + LINEAR_ITEM_COST + partial) + combine
 
     @classmethod
     def of(cls, x: torch.Tensor, w: torch.Tensor, workspace: torch.Tensor) -> LinearPlan:
         """The plan of encoded inputs, `splits` read from the workspace as the device reads it:
-        from its length, or in parts mode (an empty [S, 0] workspace) from its first dim."""
-        plan = cls(*cls.dims(x, w), 1)
-        if workspace.dim() == 2:
-            return replace(plan, splits=workspace.shape[0], parts=True)
+        from its length, or in parts mode (an empty [S, 0] workspace) from its first dim; wide
+        when it has a trailing dim more."""
+        parts = workspace.dim() > 1 and workspace.shape[1] == 0
+        plan = cls(*cls.dims(x, w), 1, parts, wide=workspace.dim() == (3 if parts else 2))
+        if parts:
+            return replace(plan, splits=workspace.shape[0])
         if workspace.numel() == 0:
             return plan
-        block = plan.tiles * plan.prows * LINEAR_COLS
+        block = plan.tiles * plan.prows * plan.tile_cols
         return replace(plan, splits=(workspace.numel() - plan.counters) // block)
 
     def owned_items(self, begin: int, end: int) -> torch.Tensor:
@@ -900,8 +946,8 @@ class LinearPlan:
         split 0 (once, whichever records the items form)."""
         owned = self.owned_items(begin, end)
         tiles = owned if self.parts else owned[0]
-        rows = tiles.repeat_interleave(LINEAR_ROWS, -2)[..., : self.m, :]
-        return rows.repeat_interleave(LINEAR_COLS, -1)[..., : self.n]
+        rows = tiles.repeat_interleave(self.block_rows, -2)[..., : self.m, :]
+        return rows.repeat_interleave(self.tile_cols, -1)[..., : self.n]
 
 
 class LinearFamily(Family):
@@ -952,7 +998,7 @@ class LinearFamily(Family):
                 f"{self.name}: input 1 (weight) must have an even out_features (rows in pairs: "
                 f"a gate's, then its up's), got {tuple(w.shape)}"
             )
-        plan = LinearPlan.choose(*LinearPlan.dims(x, w), sm_count(x.device), self.parts)
+        plan = self._choose(x, w)
         views = (x, w, bias if bias is not None else x.new_empty(0), plan.workspace(x.device))
         outputs = plan.n // 2 if self.gated else plan.n
         shape = ((plan.splits,) if self.parts else ()) + tuple(x.shape[:-1]) + (outputs,)
@@ -965,7 +1011,8 @@ class LinearFamily(Family):
         if not self.parts or out is None or out.dim() == 0 or out.shape[0] == lay.out_shape[0]:
             return lay
         x, w = lay.inputs[0], lay.inputs[1]
-        plans = {p.splits: p for p in LinearPlan.splittings(*LinearPlan.dims(x, w), parts=True)}
+        wide = LinearPlan.of(x, w, lay.inputs[3]).wide  # the layout's tiles
+        plans = {p.splits: p for p in LinearPlan.splittings(*LinearPlan.dims(x, w), True, wide)}
         plan = plans.get(out.shape[0])
         if plan is None:
             raise TensorSpecError(
@@ -999,7 +1046,12 @@ class LinearFamily(Family):
         x, w = xs[0], xs[1]
         if len(xs) > 3:
             return LinearPlan.of(x, w, xs[3])
-        return LinearPlan.choose(*LinearPlan.dims(x, w), sm_count(x.device), self.parts)
+        return self._choose(x, w)
+
+    def _choose(self, x: torch.Tensor, w: torch.Tensor) -> LinearPlan:
+        """The plan of x times w on their device's worker."""
+        dims, device = LinearPlan.dims(x, w), x.device
+        return LinearPlan.choose(*dims, sm_count(device), self.parts, wide=wide_tiles(device))
 
     def execute(
         self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int

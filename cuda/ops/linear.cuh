@@ -6,7 +6,8 @@
  *   in[2] = bias [N], or an empty tensor for none; x, W and bias share one float dtype;
  *   in[3] = workspace, int32: empty when K is not split (S = 1), else T arrival counters (zero
  *           between tasks: the last arrival resets its counter), padded to a multiple of 4
- *           words, then S * T partial blocks of P x 64 fp32, T = MB * NT tiles;
+ *           words, then S * T partial blocks of P x BN fp32, T = MB * NT tiles; a trailing dim
+ *           of 1 more (in parts mode too) makes the plan wide;
  *   out [..., N] with x's leading dims, any float dtype; computed in fp32.
  * Activation (the catalogue's linear_gelu and linear_gelu_tanh): out holds gelu (erf or tanh
  * form, computed as ops/math.cuh computes it for the map operators) of each final value, in fp32
@@ -20,8 +21,9 @@
  * rows s * M .. s * M + M - 1 of out, split 0 with the bias added, and no split combines them. Its
  * consumer sums the S parts in split order (add_layernorm, add_rmsnorm: addnorm.cuh), so K is
  * split without the count-in and the last split's round trips to L2.
- * Tiles: an m-block is 64 rows of x (MB = ceil(M / 64)), an n-tile 64 outputs (NT = ceil(N / 64)),
- * P = min(M, 64) rounded up to 16. K is cut into S splits of kch steps of 32 (kch =
+ * Tiles: an m-block is BM rows of x (MB = ceil(M / BM)), an n-tile BN outputs (NT = ceil(N / BN)),
+ * P = min(M, BM) rounded up to 16; BM = BN = 64, or 128 in a wide plan (prefill rows: each
+ * product's bytes from L2 halved). K is cut into S splits of kch steps of 32 (kch =
  * ceil(ceil(K / 32) / S) rounded up to 8; every split has at least one step); S follows from the
  * workspace's length.
  * A work item is one (m-block, split, n-tile), numbered i = (nt * S + s) * MB + mb (neighbouring
@@ -43,14 +45,18 @@
  * On sm_90a (GPUOS_WGMMA) the 64-row m-blocks take warpgroup products instead: wgmma m64n32k16
  * with x as A and W as B, both read by the tensor cores from the stage in the 128-byte swizzle,
  * warpgroup w taking outputs 32 w .. of the tile for all 64 rows; no shared-memory loads into
- * registers, and the next stage's copies are issued while the products run.
+ * registers, and the next stage's copies are issued while the products run. A wide plan's tiles
+ * run there alone (elsewhere, and where out does not take pairs or N is odd, on CUDA cores):
+ * wgmma m64n128k16, warpgroup w taking rows 64 w .. and all 128 outputs (64 accumulators a lane),
+ * stages of one step in the 64-byte swizzle (four fit), W cached as x is (its m-blocks read it).
  * Memory: W and x stream through a pipeline of stages in the worker's dynamic shared memory
  * (cp.async.cg: L2, never a stale L1 line; GpuosLinearPipe), running on across the items of a
  * record, so that an item's epilogue overlaps the next item's loads; where W is settled
  * (gpuos_settled), its first stages are issued before the wait for x. Registers: 128 (the
  * NVRTC cap).
  * Anything else (fp32, odd strides or alignment, K = 0, small blocks) takes the CUDA-core path:
- * one thread per output, same items, same combine.
+ * a thread per two outputs, same items, same combine. The three paths (decode tiles, wide tiles,
+ * CUDA cores) are functions of their own (gpuos_linear_narrow, _wide, _generic).
  * Trace marks (bench/step_trace.py), tensor-core path: 0 plan, 6 W's first stages issued, 2 the
  * record's first stage in, 3 an item's products, 1 its values stored, 4 counted in, 5 combined,
  * 7 the combine's first quad summed. */
@@ -61,6 +67,7 @@
 
 #define GPUOS_LINEAR_BM 64          /* rows of x per m-block */
 #define GPUOS_LINEAR_BN 64          /* outputs per n-tile */
+#define GPUOS_LINEAR_WIDE 128       /* rows and outputs of a wide plan's tile */
 #define GPUOS_LINEAR_WARPS 8        /* warps of the tensor-core path: 8 rows of W each */
 #define GPUOS_LINEAR_KSTEP 32       /* k per step: two m16n8k16 products */
 #define GPUOS_LINEAR_STEP_ALIGN 8   /* a split's steps come in multiples of this */
@@ -72,12 +79,14 @@
 /* What one task's records share, computed once per record by thread 0 into shared memory. */
 struct GpuosLinearPlan {
   int m, n, k;          /* rows of x, outputs, inner dim */
+  int bm, bn;           /* rows of an m-block and outputs of an n-tile: 64, or 128 when wide */
   int mblocks, ntiles;  /* m-blocks and n-tiles */
   int splits, kch;      /* K splits and steps per split */
   int prows;            /* rows of a partial block */
   int64_t xrs, ors;     /* elements between rows of x and of out, -1 when no one stride serves */
   bool fast;            /* the tensor-core path applies */
   bool parts;           /* parts mode: the splits' partial sums are the output */
+  bool wide;            /* tiles of 128 x 128 (in[3] has a trailing dim of 1) */
 };
 
 /* The activation an operator applies to its final values (not to partial sums). */
@@ -124,6 +133,15 @@ __device__ __forceinline__ int64_t gpuos_linear_row_stride(const GpuosTensorRef&
 
 __device__ __forceinline__ bool gpuos_aligned16(uint64_t address) { return (address & 15u) == 0; }
 
+/* Whether two neighbouring outputs of `out` (rows `ors` elements apart) can take one store of
+ * twice their width: 16-bit or fp32 outputs, unit column stride, even row stride, data aligned to
+ * that width. */
+__device__ __forceinline__ bool gpuos_linear_pairs(const GpuosTensorRef& out, int64_t ors) {
+  const int size = gpuos_dtype_size(out.dtype);
+  return (size == 2 || size == 4) && out.strides[out.ndim - 1] == 1 && ors % 2 == 0 &&
+         (out.data & (2u * size - 1u)) == 0;
+}
+
 /* Whether the tensor-core path can run the task: see the header comment. */
 __device__ __forceinline__ bool gpuos_linear_fast(const GpuosTask* t, const GpuosLinearPlan& p) {
   const GpuosTensorRef &x = t->in[0], &w = t->in[1];
@@ -131,7 +149,8 @@ __device__ __forceinline__ bool gpuos_linear_fast(const GpuosTask* t, const Gpuo
   const bool rows = p.xrs >= 0 && p.xrs % 8 == 0 && p.ors >= 0 && w.strides[0] % 8 == 0;
   const bool unit = x.strides[x.ndim - 1] == 1 && w.strides[1] == 1;
   const bool aligned = p.k % 8 == 0 && gpuos_aligned16(x.data) && gpuos_aligned16(w.data);
-  return GPUOS_SM80 && half && x.dtype == w.dtype && rows && unit && aligned && p.k > 0 &&
+  const bool wide = !p.wide || (GPUOS_WGMMA && p.n % 2 == 0 && gpuos_linear_pairs(t->out, p.ors));
+  return GPUOS_SM80 && wide && half && x.dtype == w.dtype && rows && unit && aligned && p.k > 0 &&
          blockDim.x >= GPUOS_LINEAR_MMA_THREADS && gpuos_dynamic_smem_bytes() >= GPUOS_LINEAR_SMEM;
 }
 
@@ -141,16 +160,19 @@ __device__ __forceinline__ GpuosLinearPlan gpuos_linear_plan(const GpuosTask* t,
   p.m = static_cast<int>(gpuos_numel_dims(x, (1u << gpuos_row_dims(x)) - 1u));
   p.n = static_cast<int>(t->in[1].sizes[0]);
   p.k = static_cast<int>(gpuos_row_len(x));
-  p.mblocks = (p.m + GPUOS_LINEAR_BM - 1) / GPUOS_LINEAR_BM;
-  p.ntiles = (p.n + GPUOS_LINEAR_BN - 1) / GPUOS_LINEAR_BN;
-  p.prows = (min(p.m, GPUOS_LINEAR_BM) + GPUOS_LINEAR_PART_ROWS - 1) & -GPUOS_LINEAR_PART_ROWS;
+  p.wide = ws.ndim == (parts ? 3 : 2);
+  p.bm = p.wide ? GPUOS_LINEAR_WIDE : GPUOS_LINEAR_BM;
+  p.bn = p.wide ? GPUOS_LINEAR_WIDE : GPUOS_LINEAR_BN;
+  p.mblocks = (p.m + p.bm - 1) / p.bm;
+  p.ntiles = (p.n + p.bn - 1) / p.bn;
+  p.prows = (min(p.m, p.bm) + GPUOS_LINEAR_PART_ROWS - 1) & -GPUOS_LINEAR_PART_ROWS;
   p.parts = parts;
   if (parts) {
     p.splits = static_cast<int>(t->out.sizes[0]);
   } else if (ws.numel == 0) {
     p.splits = 1;
   } else {
-    const unsigned tiles = p.mblocks * p.ntiles, block = tiles * p.prows * GPUOS_LINEAR_BN;
+    const unsigned tiles = p.mblocks * p.ntiles, block = tiles * p.prows * p.bn;
     const unsigned partials = static_cast<unsigned>(ws.numel) - gpuos_linear_counters(tiles);
     p.splits = static_cast<int>(partials / block);
   }
@@ -169,7 +191,7 @@ __device__ __forceinline__ GpuosLinearItem gpuos_linear_item(const GpuosLinearPl
   it.mb = mb;
   it.s = rest % p.splits;
   it.nt = rest / p.splits;
-  it.rows = min(GPUOS_LINEAR_BM, p.m - GPUOS_LINEAR_BM * it.mb);
+  it.rows = min(p.bm, p.m - p.bm * it.mb);
   it.k0 = it.s * p.kch * GPUOS_LINEAR_KSTEP;
   it.k1 = min(p.k, it.k0 + p.kch * GPUOS_LINEAR_KSTEP);
   const int k = it.k1 - it.k0;
@@ -226,8 +248,7 @@ __device__ __forceinline__ void gpuos_linear_final2(const GpuosTask* t, const Gp
 
 /* out as the tensor-core path stores it (rows p.ors apart), in registers: a store through a
  * generic pointer may alias the descriptor and plan in shared memory, so each store would
- * otherwise reload them. `pair`: two neighbouring outputs take one store of twice their width
- * (16-bit or fp32 outputs; unit column stride, even row stride, data aligned to that width). */
+ * otherwise reload them. `pair`: gpuos_linear_pairs. */
 struct GpuosLinearSink {
   char* data;
   int64_t ors, cs; /* elements between rows and between outputs */
@@ -244,8 +265,7 @@ struct GpuosLinearSink {
     k.dtype = o.dtype;
     k.size = gpuos_dtype_size(o.dtype);
     k.outputs = p.n;
-    const bool wide = k.size == 2 || k.size == 4;
-    k.pair = wide && k.cs == 1 && k.ors % 2 == 0 && (o.data & (2u * k.size - 1u)) == 0;
+    k.pair = gpuos_linear_pairs(o, p.ors);
     return k;
   }
 
@@ -277,24 +297,26 @@ struct GpuosLinearSink {
   }
 };
 
-/* Partial block of split s of tile (mb, nt): P rows of GPUOS_LINEAR_BN fp32, 16-byte aligned. */
+/* Partial block of split s of tile (mb, nt): P rows of the tile's outputs in fp32, 16-byte
+ * aligned. */
 __device__ __forceinline__ float* gpuos_linear_part(const GpuosTask* t, const GpuosLinearPlan& p,
                                                     const GpuosLinearItem& it, int s) {
   const int64_t tiles = static_cast<int64_t>(p.mblocks) * p.ntiles;
-  const int64_t block = (s * tiles + it.nt * p.mblocks + it.mb) * p.prows * GPUOS_LINEAR_BN;
+  const int64_t block = (s * tiles + it.nt * p.mblocks + it.mb) * p.prows * p.bn;
   return reinterpret_cast<float*>(gpuos_data(t->in[3])) + gpuos_linear_counters(tiles) + block;
 }
 
 /* The tile's outputs from its S partial blocks, summed in split order, by all threads in groups
  * of 4 outputs (quads): a thread takes C quads at a time with U splits of each, all C U loads in
  * flight together and its quads' biases with them. UNIFORM: rows of out are p.ors apart (the
- * tensor-core path's condition), stored through a GpuosLinearSink; else through out's dims. */
-template <int ACT, bool UNIFORM, int C, int U>
+ * tensor-core path's condition), stored through a GpuosLinearSink; else through out's dims. BN:
+ * the plan's outputs of a tile. */
+template <int ACT, bool UNIFORM, int BN, int C, int U>
 __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
                                                            const GpuosLinearPlan& p,
                                                            const GpuosLinearItem& it) {
-  constexpr int QUADS = GPUOS_LINEAR_BN / 4; /* quad i: row i / QUADS, outputs 4 (i % QUADS) on */
-  const int64_t plane = static_cast<int64_t>(p.mblocks) * p.ntiles * p.prows * GPUOS_LINEAR_BN;
+  constexpr int QUADS = BN / 4; /* quad i: row i / QUADS, outputs 4 (i % QUADS) on */
+  const int64_t plane = static_cast<int64_t>(p.mblocks) * p.ntiles * p.prows * BN;
   const float4* first = reinterpret_cast<const float4*>(gpuos_linear_part(t, p, it, 0));
   const int quads = it.rows * QUADS;
   const GpuosLinearSink sink = GpuosLinearSink::of(t, p); /* UNIFORM's stores */
@@ -307,7 +329,7 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
     for (int c = 0; c < C; ++c) {
       const int i = i0 + c * blockDim.x;
       quad[c] = i < quads ? i : i0;
-      n[c] = i < quads ? GPUOS_LINEAR_BN * it.nt + 4 * (i % QUADS) : p.n; /* p.n: none stored */
+      n[c] = i < quads ? BN * it.nt + 4 * (i % QUADS) : p.n; /* p.n: none stored */
 #pragma unroll
       for (int e = 0; e < 4; ++e) bias[c][e] = gpuos_linear_bias(t, p, n[c] + e);
       sum[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -334,7 +356,7 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
     if (i0 == threadIdx.x) GPUOS_MARK(7); /* thread 0's first quads summed */
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      const int m = GPUOS_LINEAR_BM * it.mb + quad[c] / QUADS;
+      const int m = p.bm * it.mb + quad[c] / QUADS;
       const float v[4] = {sum[c].x + bias[c][0], sum[c].y + bias[c][1], sum[c].z + bias[c][2],
                           sum[c].w + bias[c][3]};
 #pragma unroll
@@ -352,22 +374,23 @@ __device__ __forceinline__ void gpuos_linear_combine_quads(const GpuosTask* t,
 /* The combine, 8 splits of a quad in flight where a thread has at most one quad, else 4 splits
  * of 2 quads (at 64 rows, 4 quads a thread: two rounds of loads instead of four). WIDE: an
  * m-block may have more quads than the block threads (more than 16 rows); else the one-quad
- * version alone is compiled, which spares the small-M paths its registers. */
-template <int ACT, bool UNIFORM, bool WIDE>
+ * version alone is compiled, which spares the small-M paths its registers. BN: the plan's
+ * outputs of a tile. */
+template <int ACT, bool UNIFORM, bool WIDE, int BN>
 __device__ __forceinline__ void gpuos_linear_combine(const GpuosTask* t, const GpuosLinearPlan& p,
                                                      const GpuosLinearItem& it) {
-  if (WIDE && it.rows * (GPUOS_LINEAR_BN / 4) > static_cast<int>(blockDim.x)) {
-    gpuos_linear_combine_quads<ACT, UNIFORM, 2, 4>(t, p, it);
+  if (WIDE && it.rows * (BN / 4) > static_cast<int>(blockDim.x)) {
+    gpuos_linear_combine_quads<ACT, UNIFORM, BN, 2, 4>(t, p, it);
   } else {
-    gpuos_linear_combine_quads<ACT, UNIFORM, 1, 8>(t, p, it);
+    gpuos_linear_combine_quads<ACT, UNIFORM, BN, 1, 8>(t, p, it);
   }
 }
 
 /* After every thread emitted the item's values: with K split, count this split in and, in the
  * block that completes the tile, combine it. All threads call; `last` is shared scratch (read
- * here before any thread can pass the next call's first barrier, where it is rewritten). WIDE as
- * in gpuos_linear_combine. */
-template <int ACT, bool UNIFORM, bool WIDE>
+ * here before any thread can pass the next call's first barrier, where it is rewritten). WIDE and
+ * BN as in gpuos_linear_combine. */
+template <int ACT, bool UNIFORM, bool WIDE, int BN>
 __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const GpuosLinearPlan& p,
                                                     const GpuosLinearItem& it, int* last) {
   if (!gpuos_linear_combined(p)) return;
@@ -379,7 +402,7 @@ __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const Gp
   __syncthreads();
   GPUOS_MARK(4);
   if (*last) {
-    gpuos_linear_combine<ACT, UNIFORM, WIDE>(t, p, it);
+    gpuos_linear_combine<ACT, UNIFORM, WIDE, BN>(t, p, it);
     GPUOS_MARK(5);
   }
 }
@@ -389,18 +412,18 @@ __device__ __forceinline__ void gpuos_linear_arrive(const GpuosTask* t, const Gp
 /* A thread sums two neighbouring outputs n, n + 1 (n even) of a row at a time, so that a gated
  * operator's pair meets in one thread; an output past N sums nothing. */
 template <int ACT>
-__device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const GpuosLinearPlan& p,
-                                                     int* last) {
+__device__ __forceinline__ void gpuos_linear_cuda_cores(const GpuosTask* t,
+                                                        const GpuosLinearPlan& p, int* last) {
   const GpuosTensorRef &x = t->in[0], &w = t->in[1];
-  constexpr int PAIRS = GPUOS_LINEAR_BN / 2;
+  const int pairs = p.bn / 2;
   GPUOS_ROLLED
   for (int64_t i = t->range_begin; i < t->range_end; ++i) {
     const GpuosLinearItem it = gpuos_linear_item(p, static_cast<int>(i));
     GPUOS_ROLLED
-    for (int o = threadIdx.x; o < it.rows * PAIRS; o += blockDim.x) {
-      const int r = o / PAIRS, c = 2 * (o % PAIRS), n = GPUOS_LINEAR_BN * it.nt + c;
+    for (int o = threadIdx.x; o < it.rows * pairs; o += blockDim.x) {
+      const int r = o / pairs, c = 2 * (o % pairs), n = p.bn * it.nt + c;
       if (n >= p.n) continue;
-      const char* xp = gpuos_ptr(x, gpuos_row_offset(x, GPUOS_LINEAR_BM * it.mb + r, it.k0));
+      const char* xp = gpuos_ptr(x, gpuos_row_offset(x, p.bm * it.mb + r, it.k0));
       const int64_t xstep = gpuos_step(x, x.ndim - 1), wstep = gpuos_step(w, 1);
       float sum[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -413,16 +436,20 @@ __device__ __forceinline__ void gpuos_linear_generic(const GpuosTask* t, const G
           sum[e] += gpuos_load_ptr(xk, x.dtype) * gpuos_load_ptr(wp, w.dtype);
       }
       if (gpuos_linear_combined(p)) {
-        float* part = gpuos_linear_part(t, p, it, it.s) + r * GPUOS_LINEAR_BN + c;
+        float* part = gpuos_linear_part(t, p, it, it.s) + r * p.bn + c;
         part[0] = sum[0], part[1] = sum[1];
       } else {
         const bool biased = gpuos_linear_biased(p, it);
-        const int m = gpuos_linear_out_row(p, it, GPUOS_LINEAR_BM * it.mb + r);
+        const int m = gpuos_linear_out_row(p, it, p.bm * it.mb + r);
         gpuos_linear_final2<ACT>(t, p, m, n, sum[0] + (biased ? gpuos_linear_bias(t, p, n) : 0.0f),
                                  sum[1] + (biased ? gpuos_linear_bias(t, p, n + 1) : 0.0f));
       }
     }
-    gpuos_linear_arrive<ACT, false, true>(t, p, it, last);
+    if (p.wide) {
+      gpuos_linear_arrive<ACT, false, true, GPUOS_LINEAR_WIDE>(t, p, it, last);
+    } else {
+      gpuos_linear_arrive<ACT, false, true, GPUOS_LINEAR_BN>(t, p, it, last);
+    }
   }
 }
 
@@ -508,62 +535,98 @@ __device__ __forceinline__ uint4 gpuos_lds16(unsigned int a) {
 
 /* ---- warpgroup products (GPUOS_WGMMA: sm_90a) ---------------------------------------------- */
 
-/* The shared-memory descriptor of a K-major operand in the 128-byte swizzle: rows of 128 bytes
- * (64 16-bit elements of k), 16-byte chunk c of row r at chunk c ^ (r % 8), 8-row groups 1,024
- * bytes apart from a 1,024-byte aligned base; `a` may sit 32, 64 or 96 bytes into the row (the
- * k16 slices of a stage), the hardware swizzling by address. */
+/* The shared-memory descriptor of a K-major operand in the swizzle of its rows of PITCH bytes,
+ * 128 or 64 (64 or 32 16-bit elements of k): 16-byte chunk c of row r at chunk c ^ (r % 8) in
+ * the 128-byte swizzle, c ^ (r / 2 % 4) in the 64-byte one; 8-row groups 8 PITCH bytes apart
+ * from a 1,024-byte aligned base. `a` may sit 32, 64 or 96 bytes into the row (the k16 slices of
+ * a stage), the hardware swizzling by address. */
+template <int PITCH>
 __device__ __forceinline__ unsigned long long gpuos_wgmma_desc(unsigned int a) {
-  return ((a & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+  static_assert(PITCH == 128 || PITCH == 64, "the 128- and 64-byte swizzles");
+  constexpr unsigned long long mode = PITCH == 128 ? 1 : 2, groups = 8 * PITCH / 16;
+  return ((a & 0x3FFFFu) >> 4) | (1ull << 16) | (groups << 32) | (mode << 62);
 }
 
 /* Pins the accumulators around the asynchronous products: no move of them may cross. */
-__device__ __forceinline__ void gpuos_wgmma_pin(float (&d)[16]) {
+template <int A>
+__device__ __forceinline__ void gpuos_wgmma_pin(float (&d)[A]) {
 #pragma unroll
-  for (int e = 0; e < 16; ++e) asm volatile("" : "+f"(d[e]));
+  for (int e = 0; e < A; ++e) asm volatile("" : "+f"(d[e]));
 }
 
-/* d[64 x 32] += A[64 x 16] B[16 x 32], A and B K-major in shared memory (gpuos_wgmma_desc): a
- * warpgroup's product, fp32 accumulators in the layout of four m16n8 tiles per warp (warp w of
- * the group rows 16 w .., d[4 j + 2 h + e] row g + 8 h, column 8 j + 2 q + e). */
-template <bool BF16>
-__device__ __forceinline__ void gpuos_wgmma_64x32(float (&d)[16], unsigned long long a,
-                                                  unsigned long long b) {
-#if GPUOS_WGMMA
-#define GPUOS_WGMMA_ASM(TYPE)                                                                   \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                    \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                 \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "       \
-               "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                 \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),       \
-                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),     \
-                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                            \
+/* d += A[64 x 16] B[16 x N], A and B K-major in shared memory (gpuos_wgmma_desc): a warpgroup's
+ * product of N = 2 A outputs (32 or 128), fp32 accumulators in the layout of N / 8 m16n8 tiles
+ * per warp (warp w of the group rows 16 w .., d[4 j + 2 h + e] row g + 8 h, column
+ * 8 j + 2 q + e). */
+/* the products' tail: scale-d p (set: d accumulates), A and B unscaled and K-major */
+#define GPUOS_WGMMA_SCALE_D "p, 1, 1, 0, 0;\n}\n"
+#define GPUOS_WGMMA_N32(TYPE)                                                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                        \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                     \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "          \
+               "%16, %17, " GPUOS_WGMMA_SCALE_D                                                    \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),           \
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),         \
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                                \
                : "l"(a), "l"(b), "r"(1))
-  if constexpr (BF16) {
-    GPUOS_WGMMA_ASM("bf16");
+#define GPUOS_WGMMA_N128(TYPE)                                                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                        \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                   \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "            \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "            \
+               "%30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "            \
+               "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, "            \
+               "%58, %59, %60, %61, %62, %63}, %64, %65, " GPUOS_WGMMA_SCALE_D                     \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),           \
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),         \
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),     \
+                 "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
+                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),     \
+                 "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),     \
+                 "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),     \
+                 "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),     \
+                 "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),     \
+                 "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),     \
+                 "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                                \
+               : "l"(a), "l"(b), "r"(1))
+template <bool BF16, int A>
+__device__ __forceinline__ void gpuos_wgmma(float (&d)[A], unsigned long long a,
+                                            unsigned long long b) {
+  static_assert(A == 16 || A == 64, "m64n32 and m64n128 products");
+#if GPUOS_WGMMA
+  if constexpr (A == 16 && BF16) {
+    GPUOS_WGMMA_N32("bf16");
+  } else if constexpr (A == 16) {
+    GPUOS_WGMMA_N32("f16");
+  } else if constexpr (BF16) {
+    GPUOS_WGMMA_N128("bf16");
   } else {
-    GPUOS_WGMMA_ASM("f16");
+    GPUOS_WGMMA_N128("f16");
   }
-#undef GPUOS_WGMMA_ASM
 #else
   __trap();
 #endif
 }
+#undef GPUOS_WGMMA_N32
+#undef GPUOS_WGMMA_N128
+#undef GPUOS_WGMMA_SCALE_D
 
-/* The stage's products of one warpgroup: its 32 outputs of the n-tile (rows 32 wn of W) over
- * the stage's 64 k, all 64 rows of x. `meanwhile()` runs while the tensor cores compute them
- * (the next copies' issue, which stalls while the copy queue is full), then they are waited for. */
-template <bool BF16, class F>
-__device__ __forceinline__ void gpuos_wgmma_stage(float (&d)[16], unsigned int w, unsigned int x,
+/* The stage's products of one warpgroup over the stage's PITCH / 2 k: 64 rows of x (at shared
+ * address x) times A / 2 rows of W (at w), 32 (a 64-row tile's half) or 128 (a wide tile's),
+ * into its A accumulators. `meanwhile()` runs while the tensor cores compute them (the next
+ * copies' issue, which stalls while the copy queue is full), then they are waited for. */
+template <bool BF16, int PITCH, int A, class F>
+__device__ __forceinline__ void gpuos_wgmma_stage(float (&d)[A], unsigned int w, unsigned int x,
                                                   F&& meanwhile) {
 #if GPUOS_WGMMA
   /* no "memory" clobbers (they would make every field read from shared memory after them a fresh
    * load): the barrier before and the volatile copies after keep the products between */
-  const unsigned long long a = gpuos_wgmma_desc(x), b = gpuos_wgmma_desc(w);
+  const unsigned long long a = gpuos_wgmma_desc<PITCH>(x), b = gpuos_wgmma_desc<PITCH>(w);
   gpuos_wgmma_pin(d);
   asm volatile("wgmma.fence.sync.aligned;");
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) /* k16 slice kk: 32 bytes on, 2 in the address field */
-    gpuos_wgmma_64x32<BF16>(d, a + 2 * kk, b + 2 * kk);
+  for (int kk = 0; kk < PITCH / 32; ++kk) /* k16 slice kk: 32 bytes on, 2 in the address field */
+    gpuos_wgmma<BF16>(d, a + 2 * kk, b + 2 * kk);
   asm volatile("wgmma.commit_group.sync.aligned;");
   meanwhile();
   asm volatile("wgmma.wait_group.sync.aligned 0;");
@@ -582,21 +645,26 @@ __device__ __forceinline__ void gpuos_fence_async_shared() {
 }
 
 /* The pipeline of the tensor-core path, in gpuos_dynamic_smem: NS stages, each STEPS steps of
- * the current item, W's 64 rows then R rows of x (R: rows of an m-block rounded up to 8, 16, 32 or
- * 64). 16-byte chunk c of row r of either sits at chunk c ^ 4 (r & 1), so that the 8 lanes of each
- * quarter warp (rows g, g + 1, chunks q .. q + 3 of one step) hit 8 different bank groups. W then
- * has NS - 1 stages in flight (24 to 48 KB), where a ring in registers held 16 KB. 72 KB of shared
- * memory measured as fast as 96 KB and leaves room for a second worker block per SM. */
+ * the current item, W's rows of the n-tile then R rows of x (R: rows of an m-block rounded up to
+ * 8, 16, 32 or 64; 128 for a wide plan's tiles). 16-byte chunk c of row r of either sits at chunk
+ * c ^ 4 (r & 1), so that the 8 lanes of each quarter warp (rows g, g + 1, chunks q .. q + 3 of
+ * one step) hit 8 different bank groups. W then has NS - 1 stages in flight (24 to 48 KB), where a
+ * ring in registers held 16 KB. 72 KB of shared memory measured as fast as 96 KB and leaves room
+ * for a second worker block per SM. */
 template <int R>
 struct GpuosLinearPipe {
-  /* 64-row m-blocks on warpgroup products (GPUOS_WGMMA): rows in the 128-byte swizzle their
-   * descriptors name (chunk c of row r at c ^ (r % 8)), stages 1,024-byte aligned */
+  /* 64-row m-blocks and wide tiles on warpgroup products (GPUOS_WGMMA): rows in the swizzle
+   * their descriptors name (gpuos_wgmma_desc), stages 1,024-byte aligned; a wide tile's stages
+   * one step (64-byte rows), so that four of them fit */
   static constexpr bool WG = GPUOS_WGMMA && R >= 64;
-  static constexpr int STEPS = R >= 64 ? 2 : 4;            /* steps a stage covers */
+  static constexpr bool WIDE = R > GPUOS_LINEAR_BM;
+  static constexpr int BM = WIDE ? GPUOS_LINEAR_WIDE : GPUOS_LINEAR_BM; /* rows of an m-block */
+  static constexpr int BN = WIDE ? GPUOS_LINEAR_WIDE : GPUOS_LINEAR_BN; /* outputs of an n-tile */
+  static constexpr int STEPS = WIDE ? 1 : R >= 64 ? 2 : 4;  /* steps a stage covers */
   static constexpr int KC = STEPS * GPUOS_LINEAR_KSTEP;    /* elements of a row of a stage */
   static constexpr int PITCH = 2 * KC;                      /* bytes of a row */
   static constexpr int CHUNKS = KC / 8;                     /* 16-byte chunks of a row */
-  static constexpr int W_BYTES = GPUOS_LINEAR_BN * PITCH;
+  static constexpr int W_BYTES = BN * PITCH;
   static constexpr int BYTES = W_BYTES + R * PITCH;
   /* of the first stage: 1,024 for the swizzle atoms; 128 below 64 rows, because where in a
    * 128-byte line the stages start changes the k loop's speed by ~6% (bench/NOTES.md, s124-s126)
@@ -604,11 +672,13 @@ struct GpuosLinearPipe {
   static constexpr int ALIGN = WG ? 1024 : 128;
   static constexpr int ROOM = GPUOS_LINEAR_SMEM - (ALIGN - 16); /* past the worst alignment */
   static constexpr int NS = ROOM / BYTES < 6 ? ROOM / BYTES : 6;
-  static_assert(CHUNKS >= 8 && NS >= 3, "the swizzle needs 128-byte rows; the wait, 3 stages");
+  static_assert((WG || CHUNKS >= 8) && NS >= 3, "the swizzle needs 128-byte rows; the wait, 3");
   static_assert(GPUOS_LINEAR_STEP_ALIGN % STEPS == 0, "items have whole stages");
-  static_assert(!WG || (PITCH == 128 && BYTES % 1024 == 0), "128-byte swizzle atoms");
+  static_assert(!WG || BYTES % 1024 == 0, "whole swizzle atoms");
+  static_assert(WG || !WIDE, "wide tiles on warpgroup products only");
   __device__ static int offset(int r, int chunk) {
-    return r * PITCH + 16 * (chunk ^ (WG ? r & 7 : r & 1 ? 4 : 0));
+    const int swizzle = !WG ? (r & 1 ? 4 : 0) : PITCH == 128 ? r & 7 : r >> 1 & 3;
+    return r * PITCH + 16 * (chunk ^ swizzle);
   }
   /* The first stage's shared address, from the dynamic shared memory's. */
   __device__ static unsigned int first(unsigned int smem) {
@@ -635,10 +705,10 @@ struct GpuosLinearStage {
     s.k = it.k0;
     s.k1 = it.k1;
     s.left = it.steps * GPUOS_LINEAR_KSTEP / kc;
-    s.row0 = GPUOS_LINEAR_BM * it.mb;
+    s.row0 = p.bm * it.mb;
     s.rows = in ? it.rows : 0;
-    s.n0 = GPUOS_LINEAR_BN * it.nt;
-    s.wrows = in ? min(GPUOS_LINEAR_BN, p.n - s.n0) : 0;
+    s.n0 = p.bn * it.nt;
+    s.wrows = in ? min(p.bn, p.n - s.n0) : 0;
     return s;
   }
 
@@ -695,11 +765,66 @@ __device__ __forceinline__ void gpuos_linear_issue(const GpuosLinearSource& src,
   if (s.item >= src.end || threadIdx.x >= GPUOS_LINEAR_MMA_THREADS) return;
   if (w) {
     const char* w0 = src.w + 2 * s.n0 * src.ws;
-    gpuos_linear_copy<R, GPUOS_LINEAR_BN, true>(buffer, w0, src.ws, s.wrows, s);
+    /* a wide plan's W tile is read by each of its m-blocks: not streamed */
+    gpuos_linear_copy<R, Pipe::BN, !Pipe::WIDE>(buffer, w0, src.ws, s.wrows, s);
   }
   if (x) {
     const char* x0 = src.x + 2 * s.row0 * src.xrs;
     gpuos_linear_copy<R, R, false>(buffer + Pipe::W_BYTES, x0, src.xrs, s.rows, s);
+  }
+}
+
+/* One lane's values of a wide tile (warpgroup products: acc[f][2 h + e] is row r + 8 h of the
+ * m-block, output c + 8 f + e of the n-tile, c even) into the split's partial block (`part`) or
+ * out, ACT applied: each row's stores at one address plus constant offsets, so that little
+ * beyond the 64 values is live (their registers leave few). Out takes pairs and N is even (the
+ * tensor-core path's condition for wide tiles). */
+template <int ACT, int NW>
+__device__ __forceinline__ void gpuos_linear_wide_out(const float (&acc)[NW][4], float* part,
+                                                      const GpuosLinearSink& sink,
+                                                      const GpuosLinearPlan& p,
+                                                      const GpuosLinearItem& it, int r, int c) {
+  constexpr bool GATED = ACT == GPUOS_LINEAR_SILU_GLU;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r + 8 * h;
+    if (row >= it.rows) continue;
+    const auto value = [&](int f, int e) { return acc[f][2 * h + e]; };
+    if (part != nullptr) {
+      float* at = part + row * GPUOS_LINEAR_WIDE + c;
+#pragma unroll
+      for (int f = 0; f < NW; ++f)
+        *reinterpret_cast<float2*>(at + 8 * f) = make_float2(value(f, 0), value(f, 1));
+      continue;
+    }
+    const int m = gpuos_linear_out_row(p, it, GPUOS_LINEAR_WIDE * it.mb + row);
+    const int n = GPUOS_LINEAR_WIDE * it.nt + c, left = sink.outputs - n; /* f < left / 8 in */
+    char* at = sink.data + (m * sink.ors + (GATED ? n / 2 : n)) * sink.size;
+    if (sink.size == 2) {
+#pragma unroll
+      for (int f = 0; f < NW; ++f) {
+        if (8 * f >= left) continue;
+        if constexpr (GATED) {
+          const float v = gpuos_silu(value(f, 0)) * value(f, 1);
+          *reinterpret_cast<unsigned short*>(at + 8 * f) = gpuos_f32_to_16(sink.dtype, v);
+        } else {
+          const float v0 = gpuos_linear_act<ACT>(value(f, 0));
+          const float v1 = gpuos_linear_act<ACT>(value(f, 1));
+          *reinterpret_cast<unsigned int*>(at + 16 * f) = gpuos_f32x2_to_16(sink.dtype, v0, v1);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int f = 0; f < NW; ++f) {
+        if (8 * f >= left) continue;
+        if constexpr (GATED) {
+          *reinterpret_cast<float*>(at + 16 * f) = gpuos_silu(value(f, 0)) * value(f, 1);
+        } else {
+          *reinterpret_cast<float2*>(at + 32 * f) = make_float2(
+              gpuos_linear_act<ACT>(value(f, 0)), gpuos_linear_act<ACT>(value(f, 1)));
+        }
+      }
+    }
   }
 }
 
@@ -714,13 +839,14 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
   /* The warps over the tile: WM along its rows of x, WN along its outputs. At 64 rows a 2 x 4
    * grid, each warp 32 rows x 16 outputs: 6 shared loads for 8 products a step, where 8 warps
    * over the outputs alone read all 64 rows each (9 loads for 8). On warpgroup products (WG) a
-   * 4 x 2 grid: warpgroup wn takes outputs 32 wn .., its warp wm rows 16 wm .. of x. */
-  constexpr bool WG = Pipe::WG;
-  constexpr int WM = WG ? 4 : R >= 64 ? 2 : 1, WN = GPUOS_LINEAR_WARPS / WM;
+   * 4 x 2 grid: warpgroup wn takes outputs 32 wn .., its warp wm rows 16 wm .. of x; on a wide
+   * tile 8 x 1: warpgroup g takes rows 64 g .. and all 128 outputs, its warps 16 rows each. */
+  constexpr bool WG = Pipe::WG, WIDE = Pipe::WIDE;
+  constexpr int WM = WIDE ? 8 : WG ? 4 : R >= 64 ? 2 : 1, WN = GPUOS_LINEAR_WARPS / WM;
   constexpr int TM = WG ? 1 : (R < 16 ? 1 : R / 16) / WM; /* m16 tiles of x a warp takes */
-  constexpr int NW = GPUOS_LINEAR_BN / 8 / WN;            /* n8 fragments of W a warp takes */
+  constexpr int NW = Pipe::BN / 8 / WN;                  /* n8 fragments of W a warp takes */
   constexpr int NS = Pipe::NS, KC = Pipe::KC;
-  static_assert(!WG || TM * NW * 4 == 16, "a warpgroup product's 16 accumulators a lane");
+  static_assert(!WG || TM * NW * 4 == (WIDE ? 64 : 16), "a warpgroup product's accumulators");
   const int warp = threadIdx.x / GPUOS_WARP, lane = threadIdx.x % GPUOS_WARP;
   const int g = lane >> 2, q = lane & 3;
   const int wm = WG ? warp % WM : warp / WN, wn = WG ? warp / WM : warp % WN;
@@ -765,7 +891,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
     const auto load_bias = [&]() {
 #pragma unroll
       for (int f = 0; f < NW; ++f) {
-        const int n = GPUOS_LINEAR_BN * it.nt + 8 * (NW * wn + f) + 2 * q;
+        const int n = Pipe::BN * it.nt + 8 * (NW * wn + f) + 2 * q;
         bias[f][0] = biased ? gpuos_linear_bias(t, p, n) : 0.0f;
         bias[f][1] = biased ? gpuos_linear_bias(t, p, n + 1) : 0.0f;
       }
@@ -780,6 +906,14 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
       for (int f = 0; f < NW; ++f) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[a][f][e] = odd[a][f][e] = 0.0f;
+      }
+    }
+    if constexpr (WIDE) { /* the bias summed from the start: no registers of its own at the end */
+      load_bias();
+#pragma unroll
+      for (int f = 0; f < NW; ++f) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][f][e] = bias[f][e & 1];
       }
     }
     /* The next stage in: this stage's group is in (at most the NS - 2 younger ones pending).
@@ -803,11 +937,14 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
     if constexpr (WG) {
       /* the last stage apart: the bias (twice the outputs a lane) loaded with it, so that it
        * takes no registers through the k loop (an item has at least one stage) */
-      float(&d)[16] = reinterpret_cast<float(&)[16]>(acc);
-      const unsigned int wofs = 32 * wn * Pipe::PITCH;
+      constexpr int A = TM * NW * 4;
+      float(&d)[A] = reinterpret_cast<float(&)[A]>(acc);
+      const int group = warp / 4; /* this warp's warpgroup: its rows of W, or of x when wide */
+      const unsigned int wofs = WIDE ? 0 : 32 * group * Pipe::PITCH;
+      const unsigned int xofs = Pipe::W_BYTES + (WIDE ? 64 * group * Pipe::PITCH : 0);
       const auto products = [&](unsigned int stage) {
         if (active) {
-          gpuos_wgmma_stage<BF16>(d, stage + wofs, stage + Pipe::W_BYTES, refill);
+          gpuos_wgmma_stage<BF16, Pipe::PITCH>(d, stage + wofs, stage + xofs, refill);
         } else {
           refill();
         }
@@ -816,7 +953,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
       GPUOS_ROLLED
       for (; j0 + Pipe::STEPS < it.steps; j0 += Pipe::STEPS) products(arrive(j0 == 0));
       const unsigned int stage = arrive(j0 == 0);
-      load_bias();
+      if constexpr (!WIDE) load_bias();
       products(stage);
     } else {
       load_bias(); /* ahead of the products */
@@ -861,18 +998,21 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
      * past N hold zeros, which the combine never reads) */
     float* part = gpuos_linear_combined(p) ? gpuos_linear_part(t, p, it, it.s) : nullptr;
     const GpuosLinearSink sink = GpuosLinearSink::of(t, p);
+    if constexpr (WIDE) {
+      if (active) gpuos_linear_wide_out<ACT, NW>(acc[0], part, sink, p, it, 16 * wm + g, 2 * q);
+    }
 #pragma unroll
-    for (int a = 0; a < TM; ++a) {
+    for (int a = 0; a < (WIDE ? 0 : TM); ++a) {
 #pragma unroll
       for (int f = 0; f < NW; ++f) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = 16 * (TM * wm + a) + g + 8 * h, c = 8 * (NW * wn + f) + 2 * q;
-          const int m = GPUOS_LINEAR_BM * it.mb + r, n = GPUOS_LINEAR_BN * it.nt + c;
+          const int m = Pipe::BM * it.mb + r, n = Pipe::BN * it.nt + c;
           const float v0 = acc[a][f][2 * h], v1 = acc[a][f][2 * h + 1];
           if (!active || r >= it.rows) continue;
           if (part != nullptr) {
-            *reinterpret_cast<float2*>(part + r * GPUOS_LINEAR_BN + c) = make_float2(v0, v1);
+            *reinterpret_cast<float2*>(part + r * Pipe::BN + c) = make_float2(v0, v1);
             continue;
           }
           sink.template emit2<ACT>(gpuos_linear_out_row(p, it, m), n, v0 + bias[f][0],
@@ -881,7 +1021,7 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
       }
     }
     GPUOS_MARK(1);
-    gpuos_linear_arrive<ACT, true, (R > 16)>(t, p, it, last);
+    gpuos_linear_arrive<ACT, true, (R > 16), Pipe::BN>(t, p, it, last);
   }
   gpuos_cp_async_wait<0>(); /* no copy may land in shared memory after the operator returned */
 }
@@ -894,6 +1034,38 @@ __device__ __forceinline__ void gpuos_linear_mma_dtype(const GpuosTask* t, const
   } else {
     gpuos_linear_mma<ACT, R, false>(t, p, last);
   }
+}
+
+/* The paths of a plan, each a function of its own: the wide tiles' 64 accumulators a lane would
+ * otherwise raise the register pressure of the decode rows' paths, and a call in their function
+ * changes its register allocation too (spills 164 -> 192 bytes a thread, its 64-row linears
+ * up to 10% slower on the H200, s241). `p` and `last` are the operator's shared memory. */
+template <int ACT>
+__device__ __noinline__ void gpuos_linear_narrow(const GpuosTask* t, const GpuosLinearPlan& p,
+                                                 int* last) {
+  const int rows = min(p.m, GPUOS_LINEAR_BM);
+  if (rows <= 8) {
+    gpuos_linear_mma_dtype<ACT, 8>(t, p, last);
+  } else if (rows <= 16) {
+    gpuos_linear_mma_dtype<ACT, 16>(t, p, last);
+  } else if (rows <= 32) {
+    gpuos_linear_mma_dtype<ACT, 32>(t, p, last);
+  } else {
+    gpuos_linear_mma_dtype<ACT, 64>(t, p, last);
+  }
+}
+
+template <int ACT>
+__device__ __noinline__ void gpuos_linear_wide(const GpuosTask* t, const GpuosLinearPlan& p,
+                                               int* last) {
+  gpuos_linear_mma_dtype<ACT, GPUOS_LINEAR_WIDE>(t, p, last);
+}
+
+template <int ACT>
+__device__ __noinline__ void gpuos_linear_generic(const GpuosTask* t, const GpuosLinearPlan& p,
+                                                  int* last) {
+  gpuos_await(t);
+  gpuos_linear_cuda_cores<ACT>(t, p, last);
 }
 
 /* ACT: GPUOS_LINEAR_IDENTITY in parts mode (the parts are not final values). */
@@ -910,18 +1082,12 @@ __device__ __forceinline__ void gpuos_linear(const GpuosTask* t) {
   if (threadIdx.x == 0) plan = gpuos_linear_plan(t, PARTS);
   __syncthreads();
   GPUOS_MARK(0);
-  const int rows = min(plan.m, GPUOS_LINEAR_BM);
   if (!plan.fast) {
-    gpuos_await(t);
     gpuos_linear_generic<ACT>(t, plan, &last);
-  } else if (rows <= 8) {
-    gpuos_linear_mma_dtype<ACT, 8>(t, plan, &last);
-  } else if (rows <= 16) {
-    gpuos_linear_mma_dtype<ACT, 16>(t, plan, &last);
-  } else if (rows <= 32) {
-    gpuos_linear_mma_dtype<ACT, 32>(t, plan, &last);
+  } else if (plan.wide) {
+    if constexpr (GPUOS_WGMMA) gpuos_linear_wide<ACT>(t, plan, &last);
   } else {
-    gpuos_linear_mma_dtype<ACT, 64>(t, plan, &last);
+    gpuos_linear_narrow<ACT>(t, plan, &last);
   }
 }
 

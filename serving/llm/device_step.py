@@ -51,7 +51,7 @@ import torch
 from gpuos_core import OpCall, Runtime
 from gpuos_core.batch import Uploads
 from gpuos_core.catalogue import CATALOGUE
-from gpuos_core.families import GATED, LinearPlan, gate_up, sm_count
+from gpuos_core.families import GATED, LinearPlan, gate_up, sm_count, wide_tiles
 from gpuos_core.optable import OpTable
 from gpuos_core.program import Arena, Program, ProgramBuilder
 from serving.llm.forward import Span, forward
@@ -454,10 +454,10 @@ class ProgramOps:
         share = self.sms // len(self.lanes)
         busy = self.build.records_writing(h) if len(self.lanes) == 1 else 0
         free = self.sms - busy if 0 < busy < self.sms else None
-        parts = {}
+        parts, wide = {}, wide_tiles(h.device)
         for r in self.lanes:
             rows = r.stop - r.start
-            splits = LinearPlan.choose(rows, n, k, share, parts=True, free=free).splits
+            splits = LinearPlan.choose(rows, n, k, share, True, free, wide).splits
             out = self.build.empty((splits, rows, n), torch.float32)
             parts[r.start] = self._add("linear_parts", h[r], *weights, out=out)
         return x, self._normed("add_", norm, x, lambda r: (x[r], parts[r.start]))

@@ -28,6 +28,7 @@ from gpuos_core.families import (
     LINEAR_PART_ROWS,
     LINEAR_ROWS,
     LINEAR_STEP_ALIGN,
+    LINEAR_WIDE,
     LinearPlan,
     family,
 )
@@ -62,6 +63,18 @@ def linear(
     rt: Runtime, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, **call: object
 ) -> Prepared:
     return rt.prepare(OpCall("linear", (x, w) if bias is None else (x, w, bias), **call))
+
+
+def recut(task: Prepared, cuts: int, plan: LinearPlan | None = None) -> Prepared:
+    """`task` in records cut at up to `cuts` random items; run by `plan` (its workspace) when
+    given."""
+    inputs = task.inputs if plan is None else (*task.inputs[:3], plan.workspace(task.out.device))
+    items = task.items if plan is None else plan.items
+    points = sorted(random.sample(range(1, items), min(cuts, items - 1)))
+    ranges = list(zip([0] + points, points + [items]))
+    records = np.empty(len(ranges), dtype=TASK)
+    encode_task(records, ranges, task.out_ref, inputs, task.params.scalars)
+    return replace(task, inputs=inputs, items=items, records=records)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -151,11 +164,7 @@ def test_split_k_records_cut_anywhere_and_rerun(rt: Runtime, m: int) -> None:
     task = linear(rt, x, w, bias)
     plan = LinearPlan.of(*task.inputs[:2], task.inputs[3])
     assert plan.splits > 1 and task.items == plan.items
-    cuts = sorted(random.sample(range(1, task.items), min(5, task.items - 1)))
-    ranges = list(zip([0] + cuts, cuts + [task.items]))
-    records = np.empty(len(ranges), dtype=TASK)
-    encode_task(records, ranges, task.out_ref, task.inputs, task.params.scalars)
-    task = replace(task, records=records)
+    task = recut(task, 5)
     check(rt, task)
     task.out.fill_(float("nan"))  # a rerun: the last split of each tile reset its counter
     check(rt, task)
@@ -175,11 +184,7 @@ def test_linear_parts_are_the_sums_of_the_k_splits(rt: Runtime, dtype: torch.dty
         plan = LinearPlan.of(*task.inputs[:2], task.inputs[3])
         assert plan.parts and 1 <= plan.splits <= LINEAR_MAX_PARTS
         assert task.out.shape == (plan.splits, m, n) and task.out.dtype == torch.float32
-        cuts = sorted(random.sample(range(1, task.items), min(4, task.items - 1)))
-        ranges = list(zip([0] + cuts, cuts + [task.items]))
-        records = np.empty(len(ranges), dtype=TASK)
-        encode_task(records, ranges, task.out_ref, task.inputs, task.params.scalars)
-        task = replace(task, records=records)
+        task = recut(task, 4)
         for _ in range(2):  # a rerun writes the same parts
             check_parts(rt, task, plan)
 
@@ -197,6 +202,40 @@ def check_parts(rt: Runtime, task: Prepared, plan: LinearPlan) -> None:
         assert err < TOLERANCE[torch.float32], f"part {s} of {what}: {err:.2e}"
     err = rel_error(task.out.double().sum(0), F.linear(x, w, bias))
     assert err < TOLERANCE[torch.float32], f"sum of {what}: {err:.2e}"
+
+
+def linear_reference(op: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """What `op` (linear, linear_gelu_tanh or linear_silu_glu) computes, in float64."""
+    y = F.linear(x.double(), w.double(), bias.double())
+    if op == "linear_silu_glu":
+        return F.silu(y[:, 0::2]) * y[:, 1::2]
+    return F.gelu(y, approximate="tanh") if op == "linear_gelu_tanh" else y
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["linear", "linear_gelu_tanh", "linear_silu_glu", "linear_parts"])
+def test_wide_tiles_match_torch(rt: Runtime, dtype: torch.dtype, op: str) -> None:
+    """Plans of 128 x 128 tiles (prefill rows), K whole and split as far as it goes, records cut
+    anywhere, and a rerun: on a GPU the warpgroup path (fp16 and bf16 with an even N) and the
+    CUDA-core path (fp32, and an odd N)."""
+    shapes = [(200, 1000, 390), (65, 256, 130), (130, 264, 129)]  # M, K, N off every tile
+    for seed, (m, k, n) in enumerate(shapes):
+        if n % 2 and op != "linear":
+            continue  # a gated op's rows come in pairs; the odd N is for the plain linear
+        x, w = randn(rt, (m, k), dtype, seed), randn(rt, (n, k), dtype, seed + 100)
+        bias = randn(rt, (n,), dtype, seed + 200)
+        plans = LinearPlan.splittings(m, n, k, op == "linear_parts", wide=True)
+        for plan in (plans[0], plans[-1]):
+            out = torch.empty((plan.splits, m, n), device=rt.device) if plan.parts else None
+            wide = recut(rt.prepare(OpCall(op, (x, w, bias), out=out)), 4, plan)
+            if plan.parts:
+                check_parts(rt, wide, plan)
+                continue
+            for _ in range(2):  # a rerun: the last split of each tile reset its counter
+                wide.out.fill_(float("nan"))
+                rt.submit([wide]).wait(30)
+                err = rel_error(wide.out, linear_reference(op, x, w, bias))
+                assert err < TOLERANCE[dtype], f"{op} {m} x {k} x {n} in {plan.splits}: {err:.2e}"
 
 
 @pytest.mark.parametrize("splits", [1, 2, 6])
@@ -247,9 +286,11 @@ def test_bad_inputs_are_rejected(rt: Runtime) -> None:
 def test_the_plan_agrees_with_the_kernel() -> None:
     header = (CUDA_DIR / "ops" / "linear.cuh").read_text()
     defines = dict(re.findall(r"#define GPUOS_LINEAR_(\w+) (\d+)", header))
-    assert {k: int(defines[k]) for k in ("BM", "BN", "KSTEP", "STEP_ALIGN", "PART_ROWS")} == {
+    names = ("BM", "BN", "WIDE", "KSTEP", "STEP_ALIGN", "PART_ROWS")
+    assert {k: int(defines[k]) for k in names} == {
         "BM": LINEAR_ROWS,
         "BN": LINEAR_COLS,
+        "WIDE": LINEAR_WIDE,
         "KSTEP": LINEAR_KSTEP,
         "STEP_ALIGN": LINEAR_STEP_ALIGN,
         "PART_ROWS": LINEAR_PART_ROWS,
@@ -287,6 +328,22 @@ def test_plans_fill_the_device_without_empty_splits(m: int, n: int, k: int) -> N
     assert parts.splits == 1 or -(-steps // parts.kch) == parts.splits
     assert parts.items <= 2 * DEFAULT_SMS or parts.splits == 1
     assert LinearPlan.of(x, w, torch.empty(parts.splits, 0, dtype=torch.int32)) == parts
+
+
+def test_prefill_rows_take_wide_tiles_where_the_device_runs_them() -> None:
+    """512 rows of Llama-3.2-1B's up projection: 128 x 128 tiles (half the bytes from L2 per
+    product) where the device runs them, never for decode rows or an odd N; its output and down
+    projections' parts too. The workspace states the tiles as the device reads them."""
+    up = LinearPlan.choose(512, 16384, 2048, DEFAULT_SMS, wide=True)
+    assert up.wide and up.tiles == 4 * 128
+    assert not LinearPlan.choose(512, 16384, 2048, DEFAULT_SMS).wide
+    assert not LinearPlan.choose(64, 16384, 2048, DEFAULT_SMS, wide=True).wide
+    assert not LinearPlan.choose(512, 50257, 768, DEFAULT_SMS, wide=True).wide
+    for k, parts in [(2048, True), (8192, True), (2048, False)]:
+        plan = LinearPlan.choose(512, 2048, k, DEFAULT_SMS, parts, wide=True)
+        assert plan.wide and plan.parts == parts
+        x, w = torch.empty(512, k), torch.empty(2048, k)
+        assert LinearPlan.of(x, w, plan.workspace(torch.device("cpu"))) == plan
 
 
 def test_a_plan_with_records_past_the_free_blocks_pays_for_the_late_ones() -> None:
