@@ -752,9 +752,9 @@ def _ceil_div(a: int, b: int) -> int:
 @functools.cache
 def wide_tiles(device: torch.device) -> bool:
     """Whether the worker on `device` runs wide tiles on tensor cores: warpgroup products, the
-    sm_90a image that jit.device_arch builds for compute capability 9.0; off a GPU, as on the
-    H100 or H200 DEFAULT_SMS assumes, so plans agree. (Elsewhere wide tiles would run, on CUDA
-    cores.)"""
+    sm_90a image that jit.device_arch builds for compute capability 9.0; off a GPU too, as on
+    the H100 or H200 that DEFAULT_SMS assumes, so that plans agree. (A wide plan is correct
+    anywhere: without warpgroup products it runs on CUDA cores.)"""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) == (9, 0)
 
 

@@ -554,11 +554,8 @@ __device__ __forceinline__ void gpuos_wgmma_pin(float (&d)[A]) {
   for (int e = 0; e < A; ++e) asm volatile("" : "+f"(d[e]));
 }
 
-/* d += A[64 x 16] B[16 x N], A and B K-major in shared memory (gpuos_wgmma_desc): a warpgroup's
- * product of N = 2 A outputs (32 or 128), fp32 accumulators in the layout of N / 8 m16n8 tiles
- * per warp (warp w of the group rows 16 w .., d[4 j + 2 h + e] row g + 8 h, column
- * 8 j + 2 q + e). */
-/* the products' tail: scale-d p (set: d accumulates), A and B unscaled and K-major */
+/* The products' asm (gpuos_wgmma), m64n32k16 and m64n128k16; their tail: scale-d p (set: d
+ * accumulates), A and B unscaled and K-major. */
 #define GPUOS_WGMMA_SCALE_D "p, 1, 1, 0, 0;\n}\n"
 #define GPUOS_WGMMA_N32(TYPE)                                                                      \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                        \
@@ -589,6 +586,11 @@ __device__ __forceinline__ void gpuos_wgmma_pin(float (&d)[A]) {
                  "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),     \
                  "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                                \
                : "l"(a), "l"(b), "r"(1))
+
+/* d += A[64 x 16] B[16 x N], A and B K-major in shared memory (gpuos_wgmma_desc): a warpgroup's
+ * product of N = 2 A outputs (32 or 128), fp32 accumulators in the layout of N / 8 m16n8 tiles
+ * per warp (warp w of the group rows 16 w .., d[4 j + 2 h + e] row g + 8 h, column
+ * 8 j + 2 q + e). */
 template <bool BF16, int A>
 __device__ __forceinline__ void gpuos_wgmma(float (&d)[A], unsigned long long a,
                                             unsigned long long b) {
@@ -936,7 +938,8 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
     };
     if constexpr (WG) {
       /* the last stage apart: the bias (twice the outputs a lane) loaded with it, so that it
-       * takes no registers through the k loop (an item has at least one stage) */
+       * takes no registers through the k loop (an item has at least one stage); a wide tile's
+       * is in its accumulators already */
       constexpr int A = TM * NW * 4;
       float(&d)[A] = reinterpret_cast<float(&)[A]>(acc);
       const int group = warp / 4; /* this warp's warpgroup: its rows of W, or of x when wide */
@@ -1000,23 +1003,24 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
     const GpuosLinearSink sink = GpuosLinearSink::of(t, p);
     if constexpr (WIDE) {
       if (active) gpuos_linear_wide_out<ACT, NW>(acc[0], part, sink, p, it, 16 * wm + g, 2 * q);
-    }
+    } else {
 #pragma unroll
-    for (int a = 0; a < (WIDE ? 0 : TM); ++a) {
+      for (int a = 0; a < TM; ++a) {
 #pragma unroll
-      for (int f = 0; f < NW; ++f) {
+        for (int f = 0; f < NW; ++f) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = 16 * (TM * wm + a) + g + 8 * h, c = 8 * (NW * wn + f) + 2 * q;
-          const int m = Pipe::BM * it.mb + r, n = Pipe::BN * it.nt + c;
-          const float v0 = acc[a][f][2 * h], v1 = acc[a][f][2 * h + 1];
-          if (!active || r >= it.rows) continue;
-          if (part != nullptr) {
-            *reinterpret_cast<float2*>(part + r * Pipe::BN + c) = make_float2(v0, v1);
-            continue;
+          for (int h = 0; h < 2; ++h) {
+            const int r = 16 * (TM * wm + a) + g + 8 * h, c = 8 * (NW * wn + f) + 2 * q;
+            const int m = Pipe::BM * it.mb + r, n = Pipe::BN * it.nt + c;
+            const float v0 = acc[a][f][2 * h], v1 = acc[a][f][2 * h + 1];
+            if (!active || r >= it.rows) continue;
+            if (part != nullptr) {
+              *reinterpret_cast<float2*>(part + r * Pipe::BN + c) = make_float2(v0, v1);
+              continue;
+            }
+            const int row = gpuos_linear_out_row(p, it, m);
+            sink.template emit2<ACT>(row, n, v0 + bias[f][0], v1 + bias[f][1]);
           }
-          sink.template emit2<ACT>(gpuos_linear_out_row(p, it, m), n, v0 + bias[f][0],
-                                   v1 + bias[f][1]);
         }
       }
     }
