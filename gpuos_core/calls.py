@@ -24,6 +24,9 @@ class OpCall:
     dims: tuple[int, ...] | None = None  # sum/mean: dims to reduce (None: all)
     keepdim: bool = False  # sum/mean: keep reduced dims as size 1
     out_dtype: torch.dtype | None = None  # dtype of an allocated output (default: promoted)
+    # tasks of a program that run side by side and split the machine (a prefill step's chunks'
+    # attention, one task each): the task's records are cut for its share of the SMs
+    share: int = 1
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class LaidOut:
     # tensors the operator reads beside its inputs (their refs ride in its workspace): what a
     # program's data flow must see
     reads: tuple[torch.Tensor, ...] = ()
+    share: int = 1  # OpCall.share
 
 
 @dataclass(frozen=True, eq=False)

@@ -216,6 +216,8 @@ def prepare(
     """Validate `call` against `spec` and lay it out for encoding; allocates the output if
     needed, with `empty` when given (a program's Arena), else torch.empty on `device`."""
     _check_inputs(spec, call.inputs, device)
+    if call.share < 1:
+        raise TensorSpecError(f"{spec.name}: share must be at least 1, got {call.share}")
     lay = spec.kind.fit_out(spec.kind.layout(call.inputs, call.dims, call.keepdim), call.out)
     scalars = _scalars(spec, call.scalars, call.inputs)
     out = _output(call, lay.out_shape, device, spec.kind.out_dtype, empty)
@@ -233,6 +235,7 @@ def prepare(
         spec.kind,
         inputs_written=spec.kind.inputs_written,
         reads=lay.reads,
+        share=call.share,
     )
 
 

@@ -523,7 +523,8 @@ class ProgramOps:
         for group in range(self.layout.groups):
             task = len(self.build)
             rows = slice(first, first + GROUP_ROWS)
-            self._attend(layer, q, out, rows, slice(0, 1))  # its slot: bound at each step
+            # its slot: bound at each step; the groups' tasks run side by side
+            self._attend(layer, q, out, rows, slice(0, 1), share=self.layout.groups)
             self.kv_uses += [(task, 1, group), (task, 2, group)]
             first += GROUP_ROWS
         return out
@@ -548,10 +549,11 @@ class ProgramOps:
         rows: slice,
         slots: slice,
         newest: tuple[torch.Tensor, torch.Tensor] | None = None,
+        share: int = 1,
     ) -> None:
         """Attention of q's `rows` over the keys of KV `slots` (one slot per row, or one slot
         that every row reads), each row over its own length; its newest key and value from
-        `newest` (the rows' k and v [n, kv_heads, d]) where given."""
+        `newest` (the rows' k and v [n, kv_heads, d]) where given; `share`: OpCall.share."""
         c = self.config
         group, n = c.heads // c.kv_heads, rows.stop - rows.start
         heads = (n, c.kv_heads, group, c.head_dim)
@@ -576,6 +578,7 @@ class ProgramOps:
                 ),
                 out=out[rows].view(heads),
                 scalars={"scale": 1 / math.sqrt(c.head_dim)},
+                share=share,
             )
         )
 

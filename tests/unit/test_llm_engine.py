@@ -16,10 +16,20 @@ import numpy as np
 import pytest
 import torch
 
-from gpuos_core import Runtime
+from gpuos_core import CudaConfig, Runtime
 from gpuos_core.families import sm_count
+from gpuos_core.program import Arena
 from serving.llm import ByteTokenizer, Model, create_tiny_model, forward_tokens, load_model
-from serving.llm.device_step import GROUP_ROWS, LANE_ROWS, Layout, StepWork, fusable, lanes_of
+from serving.llm.device_step import (
+    GROUP_ROWS,
+    LANE_ROWS,
+    Layout,
+    StepChain,
+    StepProgram,
+    StepWork,
+    fusable,
+    lanes_of,
+)
 from serving.llm.engine import (
     Delta,
     Engine,
@@ -30,6 +40,7 @@ from serving.llm.engine import (
     _ProgramForward,
 )
 from serving.llm.forward import Span
+from serving.llm.model import KVPool, rotary_tables
 from serving.llm.sampling import SamplingParams
 
 FAMILIES = ["gpt2", "llama"]
@@ -163,6 +174,35 @@ def test_a_step_runs_in_one_lane_where_lanes_would_crowd_the_worker(model_dir: P
     assert lanes_of(Layout(rows, 0), model, 1) == (slice(0, rows),)
     assert lanes_of(Layout(rows - 1, 0), model, 132) == (slice(0, rows - 1),)
     assert lanes_of(Layout(rows, 1), model, 132) == (slice(0, rows + GROUP_ROWS),)
+
+
+def test_a_prefill_steps_chunks_attend_in_one_wave_of_records(
+    model_dir: Path, runtime: Runtime
+) -> None:
+    """A step of 32 chunks records a layer's attention as 32 tasks side by side (a chunk reads
+    its own slot's keys): cut for their share of the machine, a layer's take a record per SM at
+    most in all, not waves of records whose claims a block pays one after another."""
+    model, layout = device_model(model_dir, runtime), Layout(0, 32)
+    pool = KVPool.allocate(model.config, 4, 64, model.dtype, runtime.device)
+    chain = StepChain(layout.picks, 1, runtime.device)
+    step = StepProgram(
+        runtime,
+        model,
+        pool,
+        layout,
+        rotary_tables(model, 64),
+        chain,
+        0,
+        Arena(runtime.device),
+        frozenset(),
+    )
+    # records as the CUDA backend cuts them (the CPU backend runs a task as one)
+    tasks, tile = step.program.tasks, CudaConfig().tile_elements
+    records = np.array([len(t.kind.ranges(t, tile)) for t in tasks.tasks])
+    attention = tasks.op_of_task == tasks.op_names.index("attention_decode")
+    per_layer = records[attention].reshape(model.config.layers, -1)
+    assert per_layer.shape[1] == layout.groups
+    assert per_layer.sum(axis=1).max() <= sm_count(runtime.device)
 
 
 def test_decode_programs_are_built_at_start(model_dir: Path, runtime: Runtime) -> None:
