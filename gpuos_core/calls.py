@@ -25,8 +25,9 @@ class OpCall:
     keepdim: bool = False  # sum/mean: keep reduced dims as size 1
     out_dtype: torch.dtype | None = None  # dtype of an allocated output (default: promoted)
     # tasks of a program that run side by side and split the machine (a prefill step's chunks'
-    # attention, one task each): the task's records are cut for its share of the SMs
-    share: int = 1
+    # attention, one task each): the task's records are cut for its share of the SMs (None:
+    # as its family judges from the shapes)
+    share: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class LaidOut:
     # tensors the operator reads beside its inputs (their refs ride in its workspace): what a
     # program's data flow must see
     reads: tuple[torch.Tensor, ...] = ()
-    share: int = 1  # OpCall.share
+    share: int | None = None  # OpCall.share
 
 
 @dataclass(frozen=True, eq=False)

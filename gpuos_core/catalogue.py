@@ -216,7 +216,7 @@ def prepare(
     """Validate `call` against `spec` and lay it out for encoding; allocates the output if
     needed, with `empty` when given (a program's Arena), else torch.empty on `device`."""
     _check_inputs(spec, call.inputs, device)
-    if call.share < 1:
+    if call.share is not None and call.share < 1:
         raise TensorSpecError(f"{spec.name}: share must be at least 1, got {call.share}")
     lay = spec.kind.fit_out(spec.kind.layout(call.inputs, call.dims, call.keepdim), call.out)
     scalars = _scalars(spec, call.scalars, call.inputs)

@@ -480,21 +480,22 @@ class AttentionFamily(Family):
         that blocks claiming them even out ragged rows); in warp mode an item per warp where the
         SMs allow, never a record with fewer items than warps: the SMs it leaves free claim the
         next stage's records while it runs (a GPT-2 step's 64 rows were 132 records of ~6 items,
-        and the output projection after them waited ~5 us a layer to be claimed). Past that, a
-        task alone on the machine takes records of about ATTENTION_WARPS groups each, and one
-        that shares it a record per SM of its share: a record costs its block ~7 us of claim,
-        fetch and warm-up before its items, which a layer of a prefill step's chunks paid ~6
-        times a block as 768 records of 8 items (GPT-2, 512 rows of 16-row chunks: 70 us a
-        layer where the items took ~4 us a wave, s245). Its share: the multiprocessors its plan
-        is cut for (AttentionPlan.sms), or fewer where the call says how many tasks share the
-        machine (OpCall.share)."""
+        and the output projection after them waited ~5 us a layer to be claimed); past that,
+        records of about ATTENTION_WARPS groups each. Multiprocessors as the plan is cut for
+        (AttentionPlan.sms), or the task's share of them where the call says how many tasks
+        share the machine (OpCall.share). A task that shares it takes a record per SM of its
+        share at most: a record costs its block ~7 us of claim, fetch and warm-up before its
+        items, which the 32 chunks of a 512-row prefill step paid ~6 times a block a layer as
+        768 records of 8 items (GPT-2: 70 us a layer where the items took ~4 us a wave, s245)."""
         plan = AttentionPlan.of(*task.inputs)
-        machine = sm_count(task.inputs[0].device)
-        sms = max(1, min(plan.sms(task.inputs[0].device), machine // task.share))
+        shared = task.share is not None and task.share > 1
+        if task.share is None:
+            sms = plan.sms(task.inputs[0].device)
+        else:
+            sms = max(1, sm_count(task.inputs[0].device) // task.share)
         if plan.warps:
             per_warp = min(_ceil_div(plan.items, ATTENTION_WARPS), sms)
-            alone = _ceil_div(plan.groups, ATTENTION_WARPS) if sms == machine else 0
-            records = max(alone, per_warp)
+            records = per_warp if shared else max(_ceil_div(plan.groups, ATTENTION_WARPS), per_warp)
         else:
             records = ATTENTION_RECORDS_PER_SM * sms
         return _even(task.items, records)

@@ -549,7 +549,7 @@ class ProgramOps:
         rows: slice,
         slots: slice,
         newest: tuple[torch.Tensor, torch.Tensor] | None = None,
-        share: int = 1,
+        share: int | None = None,
     ) -> None:
         """Attention of q's `rows` over the keys of KV `slots` (one slot per row, or one slot
         that every row reads), each row over its own length; its newest key and value from

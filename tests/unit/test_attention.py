@@ -246,11 +246,10 @@ def test_plan_takes_warp_mode_for_a_group_per_sm_or_more() -> None:
 def test_a_prefill_chunk_reading_one_slot_is_cut_for_its_share_of_the_sms(rt: Runtime) -> None:
     """A prefill chunk's 16 rows read one slot's keys (K and V broadcast over the rows, a length
     each): its task is cut for a 16th of the SMs, the step's other chunks taking the rest, so
-    its 192 items are a record per SM of that share (9 of ~21), not a record per SM of the
-    machine nor 24 of 8 (six waves of records a layer in a step of 32 chunks), and where the
-    call says 32 tasks share the machine (OpCall.share), a record per SM of a 32nd; rows of
-    their own slots take a record for each 8 items (a warp an item), as many as the SMs
-    allow. A share below one is refused."""
+    it is 24 records of 8 groups, not a record per SM; where the call says 32 tasks share the
+    machine (OpCall.share: a step of 32 chunks), a record per SM of a 32nd, so that the step's
+    chunks are one wave of records, not six; rows of their own slots take a record for each 8
+    items (a warp an item), as many as the SMs allow. A share below one is refused."""
     rows, heads, keys, d = 16, 12, 1024, 64
     q = torch.zeros(rows, heads, 1, d, device=rt.device)
     own = torch.zeros(rows, heads, 1, keys, d, device=rt.device)
@@ -261,13 +260,13 @@ def test_a_prefill_chunk_reading_one_slot_is_cut_for_its_share_of_the_sms(rt: Ru
     assert (chunk.readers, chunk.sms(q.device)) == (16, -(-sms // 16))
     assert AttentionPlan.of(q, own, own, every).sms(q.device) == sms
 
-    def records(k: torch.Tensor, share: int = 1) -> int:
+    def records(k: torch.Tensor, share: int | None = None) -> int:
         task = rt.prepare(OpCall("attention_decode", (q, k, k, lengths), share=share))
         return len(fam.family("attention_decode").ranges(task, 16384))
 
     items = AttentionPlan.of(q, own, own, every).items
     assert (records(slot), records(own)) == (
-        -(-sms // 16),
+        rows * heads // fam.ATTENTION_WARPS,
         min(-(-items // fam.ATTENTION_WARPS), sms),
     )
     assert records(slot, share=32) == sms // 32
