@@ -1040,16 +1040,11 @@ __device__ __forceinline__ void gpuos_linear_mma_dtype(const GpuosTask* t, const
   }
 }
 
-/* The paths of a plan, each a function of its own: the wide tiles' 64 accumulators a lane would
- * otherwise raise the register pressure of the decode rows' paths, and a call in their function
- * changes its register allocation too (spills 164 -> 192 bytes a thread, its 64-row linears
- * up to 10% slower on the H200, s241). `p` and `last` are the operator's shared memory. */
-
 /* Says to the compiler what a path's arguments are: the record (gpuos_fetch), the plan and
  * `last` (gpuos_linear) all live in shared memory. Behind a call it cannot see that, and every
- * read of them was a generic load (PTX ld.shared 1,790 -> 119, generic ld 0 -> 2,954; the
- * 2048 x 2048 linear at 64 rows ~10% slower on the H200, s243), as GPUOS_OPERATOR says of the
- * record behind a generic pointer. */
+ * read of them was a generic load (sm_90a PTX: ld.shared 1,790 -> 121, generic ld 0 -> ~3,000),
+ * as GPUOS_OPERATOR says of the record behind a generic pointer; said, the wide tiles at 512
+ * rows ran 3-6% faster on the H200 (s246). */
 __device__ __forceinline__ void gpuos_linear_in_shared(const GpuosTask* t, const GpuosLinearPlan& p,
                                                        const int* last) {
   __builtin_assume(__isShared(t));
@@ -1057,6 +1052,10 @@ __device__ __forceinline__ void gpuos_linear_in_shared(const GpuosTask* t, const
   __builtin_assume(__isShared(last));
 }
 
+/* The paths of a plan, each a function of its own: the wide tiles' 64 accumulators a lane would
+ * otherwise raise the register pressure of the decode rows' paths, and a call in their function
+ * changes its register allocation too (spills 164 -> 192 bytes a thread, its 64-row linears
+ * up to 10% slower on the H200, s241). `p` and `last` are the operator's shared memory. */
 template <int ACT>
 __device__ __noinline__ void gpuos_linear_narrow(const GpuosTask* t, const GpuosLinearPlan& p,
                                                  int* last) {
