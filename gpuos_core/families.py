@@ -481,21 +481,17 @@ class AttentionFamily(Family):
         SMs allow, never a record with fewer items than warps: the SMs it leaves free claim the
         next stage's records while it runs (a GPT-2 step's 64 rows were 132 records of ~6 items,
         and the output projection after them waited ~5 us a layer to be claimed); past that,
-        records of about ATTENTION_WARPS groups each. Multiprocessors as the plan is cut for
-        (AttentionPlan.sms), or the task's share of them where the call says how many tasks
-        share the machine (OpCall.share). A task that shares it takes a record per SM of its
-        share at most: a record costs its block ~7 us of claim, fetch and warm-up before its
+        records of about ATTENTION_WARPS groups each. Multiprocessors as the plan is cut for,
+        given the call's share (AttentionPlan.sms, OpCall.share). A task the call says shares
+        the machine takes a record per SM of its share at most: a record costs its block ~7 us of claim, fetch and warm-up before its
         items, which the 32 chunks of a 512-row prefill step paid ~6 times a block a layer as
         768 records of 8 items (GPT-2: 70 us a layer where the items took ~4 us a wave, s245)."""
         plan = AttentionPlan.of(*task.inputs)
-        shared = task.share is not None and task.share > 1
-        if task.share is None:
-            sms = plan.sms(task.inputs[0].device)
-        else:
-            sms = max(1, sm_count(task.inputs[0].device) // task.share)
+        sms = plan.sms(task.inputs[0].device, task.share)
         if plan.warps:
             per_warp = min(_ceil_div(plan.items, ATTENTION_WARPS), sms)
-            records = per_warp if shared else max(_ceil_div(plan.groups, ATTENTION_WARPS), per_warp)
+            alone = task.share is None or task.share == 1
+            records = max(_ceil_div(plan.groups, ATTENTION_WARPS), per_warp) if alone else per_warp
         else:
             records = ATTENTION_RECORDS_PER_SM * sms
         return _even(task.items, records)
@@ -1173,11 +1169,14 @@ class AttentionPlan:
             plan = replace(plan, splits=max(1, min(want, most)))
         return replace(plan, splits=_ceil_div(plan.keys, plan.chunk))  # no split without keys
 
-    def sms(self, device: torch.device) -> int:
-        """Multiprocessors the task is cut for: all, or a `readers`-th of them where that many
-        groups read one K and V. A prefill step has a task per chunk of a prompt, each reading
-        its one slot's keys: cut for the whole machine, every chunk's task took a record per SM
-        (50k records in a GPT-2 step of 512 prompt rows) for a slot's worth of keys."""
+    def sms(self, device: torch.device, share: int | None = None) -> int:
+        """Multiprocessors the task is cut for: a `share`-th of them where the call says that
+        many tasks split the machine (OpCall.share), else all, or a `readers`-th of them where
+        that many groups read one K and V. A prefill step has a task per chunk of a prompt, each
+        reading its one slot's keys: cut for the whole machine, every chunk's task took a record
+        per SM (50k records in a GPT-2 step of 512 prompt rows) for a slot's worth of keys."""
+        if share is not None:
+            return max(1, sm_count(device) // share)
         return _ceil_div(sm_count(device), self.readers)
 
     def workspace(
