@@ -483,9 +483,10 @@ class AttentionFamily(Family):
         and the output projection after them waited ~5 us a layer to be claimed); past that,
         records of about ATTENTION_WARPS groups each. Multiprocessors as the plan is cut for,
         given the call's share (AttentionPlan.sms, OpCall.share). A task the call says shares
-        the machine takes a record per SM of its share at most: a record costs its block ~7 us of claim, fetch and warm-up before its
-        items, which the 32 chunks of a 512-row prefill step paid ~6 times a block a layer as
-        768 records of 8 items (GPT-2: 70 us a layer where the items took ~4 us a wave, s245)."""
+        the machine takes a record per SM of its share at most: a record costs its block ~7 us
+        of claim, fetch and warm-up before its items, which the 32 chunks of a 512-row prefill
+        step paid ~6 times a block a layer as 768 records of 8 items (GPT-2: 70 us a layer where
+        the items took ~4 us a wave, s245)."""
         plan = AttentionPlan.of(*task.inputs)
         sms = plan.sms(task.inputs[0].device, task.share)
         if plan.warps:
