@@ -10,12 +10,13 @@
  *           of 1 more (in parts mode too) makes the plan wide;
  *   out [..., N] with x's leading dims, any float dtype; computed in fp32.
  * Activation (the catalogue's linear_gelu and linear_gelu_tanh): out holds gelu (erf or tanh
- * form, computed as ops/math.cuh computes it for the map operators) of each final value, in fp32
- * before out's rounding: an MLP's up projection without a stage of its own for its gelu.
+ * form; gpuos_linear_act) of each final value, in fp32 before out's rounding: an MLP's up
+ * projection without a stage of its own for its gelu.
  * Gated (the catalogue's linear_silu_glu): W's rows come in pairs, a gate's then its up's, and
- * out [..., N / 2] holds silu(gate) * up of each pair (N even): Llama's up projection and SwiGLU
- * in one stage. Every path sums a pair's two outputs in one thread (the tensor-core lanes hold
- * outputs 2c, 2c + 1; the combine's quads two pairs; the CUDA-core path takes pairs).
+ * out [..., N / 2] holds silu(gate) * up of each pair (N even; gpuos_linear_silu): Llama's up
+ * projection and SwiGLU in one stage. Every path sums a pair's two outputs in one thread (the
+ * tensor-core lanes hold outputs 2c, 2c + 1; the combine's quads two pairs; the CUDA-core path
+ * takes pairs).
  * Parts mode (GPUOS_DEFINE_LINEAR_PARTS, the catalogue's linear_parts): out is [S, ..., N], one
  * more leading dim than x, and in[3] is empty: split s stores its partial sums over its k range as
  * rows s * M .. s * M + M - 1 of out, split 0 with the bias added, and no split combines them. Its
@@ -95,10 +96,30 @@ struct GpuosLinearPlan {
 #define GPUOS_LINEAR_GELU_TANH 2
 #define GPUOS_LINEAR_SILU_GLU 3 /* on pairs of outputs: emit2, gpuos_linear_final2 */
 
+/* v sigmoid(z) = v / (1 + e^-z), on the special-function unit: one ex2.approx and one
+ * __fdividef (relative error ~2^-21, against fp32's 2^-24 and the outputs' 16-bit rounding). The
+ * epilogues' activations take this form rather than math.cuh's: tanhf, expf and IEEE division are
+ * ~3x the instructions with range branches, and a wide tile runs them for 64 outputs a lane from
+ * code that is cold at every record (a 512-row GPT-2 up projection spent 14.6 us of a 40 us
+ * record in its stores, against 2.5 us without the gelu; H200, s248). */
+__device__ __forceinline__ float gpuos_linear_sigmoid_times(float v, float z) {
+  return gpuos_div(v, 1.0f + gpuos_exp2(-GPUOS_LOG2E * z));
+}
+
+/* torch's silu: v sigmoid(v). */
+__device__ __forceinline__ float gpuos_linear_silu(float v) {
+  return gpuos_linear_sigmoid_times(v, v);
+}
+
+/* The activation of final values: gelu as math.cuh computes it, and torch's tanh form as
+ * v sigmoid(2 u), u = sqrt(2 / pi) (v + 0.044715 v^3): the same function, since
+ * (1 + tanh u) / 2 = sigmoid(2 u). */
 template <int ACT>
 __device__ __forceinline__ float gpuos_linear_act(float v) {
   if constexpr (ACT == GPUOS_LINEAR_GELU) return gpuos_gelu(v);
-  if constexpr (ACT == GPUOS_LINEAR_GELU_TANH) return gpuos_gelu_tanh(v);
+  if constexpr (ACT == GPUOS_LINEAR_GELU_TANH) {
+    return gpuos_linear_sigmoid_times(v, 1.5957691216057308f * v * (1.0f + 0.044715f * v * v));
+  }
   return v;
 }
 
@@ -239,7 +260,7 @@ template <int ACT>
 __device__ __forceinline__ void gpuos_linear_final2(const GpuosTask* t, const GpuosLinearPlan& p,
                                                     int m, int n, float v0, float v1) {
   if constexpr (ACT == GPUOS_LINEAR_SILU_GLU) {
-    if (n < p.n) gpuos_linear_final(t, m, n / 2, gpuos_silu(v0) * v1);
+    if (n < p.n) gpuos_linear_final(t, m, n / 2, gpuos_linear_silu(v0) * v1);
   } else {
     if (n < p.n) gpuos_linear_final(t, m, n, gpuos_linear_act<ACT>(v0));
     if (n + 1 < p.n) gpuos_linear_final(t, m, n + 1, gpuos_linear_act<ACT>(v1));
@@ -275,7 +296,7 @@ struct GpuosLinearSink {
   __device__ __forceinline__ void emit2(int m, int n, float v0, float v1) const {
     if constexpr (ACT == GPUOS_LINEAR_SILU_GLU) {
       if (n < outputs)
-        gpuos_store_ptr(data + (m * ors + n / 2 * cs) * size, dtype, gpuos_silu(v0) * v1);
+        gpuos_store_ptr(data + (m * ors + n / 2 * cs) * size, dtype, gpuos_linear_silu(v0) * v1);
     } else {
       store2(m, n, gpuos_linear_act<ACT>(v0), gpuos_linear_act<ACT>(v1));
     }
@@ -776,6 +797,46 @@ __device__ __forceinline__ void gpuos_linear_issue(const GpuosLinearSource& src,
   }
 }
 
+/* The 16 bits at p where `in`, else 0: a predicated load through L2 (ld.global.cg), no branch. */
+__device__ __forceinline__ unsigned short gpuos_ld_u16_if(bool in, const void* p) {
+  unsigned short v;
+  asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\nmov.b16 %0, 0;\n"
+               "@q ld.global.cg.u16 %0, [%1];\n}"
+               : "=h"(v)
+               : "l"(p), "r"(static_cast<int>(in)));
+  return v;
+}
+
+/* A tensor-core lane's bias values (fp16 or bf16): bias[f] = outputs n0 + 8 f and n0 + 8 f + 1
+ * (n0 even), zeros where the item adds none (biased) or past N. Every load is issued before any
+ * is converted, so that they are all in flight together: behind gpuos_linear_bias's branches
+ * each waited for the one before, and a wide tile's 32 took ~8 us before its first stage (a
+ * 512-row GPT-2 QKV projection, H200, s248). */
+template <bool BF16, int NW>
+__device__ __forceinline__ void gpuos_linear_bias_pairs(const GpuosTask* t,
+                                                        const GpuosLinearPlan& p, bool biased,
+                                                        int n0, float (&bias)[NW][2]) {
+  const GpuosTensorRef& b = t->in[2];
+  const bool on = biased && b.numel != 0;
+  const char* data = gpuos_data(b);
+  const int64_t step = 2 * b.strides[0]; /* bytes between elements */
+  unsigned short bits[NW][2];
+#pragma unroll
+  for (int f = 0; f < NW; ++f) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = n0 + 8 * f + e;
+      bits[f][e] = gpuos_ld_u16_if(on && n < p.n, data + n * step);
+    }
+  }
+#pragma unroll
+  for (int f = 0; f < NW; ++f) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      bias[f][e] = BF16 ? gpuos_bf16_to_f32(bits[f][e]) : gpuos_f16_to_f32(bits[f][e]);
+  }
+}
+
 /* One lane's values of a wide tile (warpgroup products: acc[f][2 h + e] is row r + 8 h of the
  * m-block, output c + 8 f + e of the n-tile, c even) into the split's partial block (`part`) or
  * out, ACT applied: each row's stores at one address plus constant offsets, so that little
@@ -802,28 +863,32 @@ __device__ __forceinline__ void gpuos_linear_wide_out(const float (&acc)[NW][4],
     const int m = gpuos_linear_out_row(p, it, GPUOS_LINEAR_WIDE * it.mb + row);
     const int n = GPUOS_LINEAR_WIDE * it.nt + c, left = sink.outputs - n; /* f < left / 8 in */
     char* at = sink.data + (m * sink.ors + (GATED ? n / 2 : n)) * sink.size;
+    /* each value computed whatever `left`, only its store guarded: a guard around the
+     * computation made every pair a branch of its own */
     if (sink.size == 2) {
 #pragma unroll
       for (int f = 0; f < NW; ++f) {
-        if (8 * f >= left) continue;
         if constexpr (GATED) {
-          const float v = gpuos_silu(value(f, 0)) * value(f, 1);
-          *reinterpret_cast<unsigned short*>(at + 8 * f) = gpuos_f32_to_16(sink.dtype, v);
+          const float v = gpuos_linear_silu(value(f, 0)) * value(f, 1);
+          const unsigned short out = gpuos_f32_to_16(sink.dtype, v);
+          if (8 * f < left) *reinterpret_cast<unsigned short*>(at + 8 * f) = out;
         } else {
           const float v0 = gpuos_linear_act<ACT>(value(f, 0));
           const float v1 = gpuos_linear_act<ACT>(value(f, 1));
-          *reinterpret_cast<unsigned int*>(at + 16 * f) = gpuos_f32x2_to_16(sink.dtype, v0, v1);
+          const unsigned int out = gpuos_f32x2_to_16(sink.dtype, v0, v1);
+          if (8 * f < left) *reinterpret_cast<unsigned int*>(at + 16 * f) = out;
         }
       }
     } else {
 #pragma unroll
       for (int f = 0; f < NW; ++f) {
-        if (8 * f >= left) continue;
         if constexpr (GATED) {
-          *reinterpret_cast<float*>(at + 16 * f) = gpuos_silu(value(f, 0)) * value(f, 1);
+          const float v = gpuos_linear_silu(value(f, 0)) * value(f, 1);
+          if (8 * f < left) *reinterpret_cast<float*>(at + 16 * f) = v;
         } else {
-          *reinterpret_cast<float2*>(at + 32 * f) = make_float2(
-              gpuos_linear_act<ACT>(value(f, 0)), gpuos_linear_act<ACT>(value(f, 1)));
+          const float2 v =
+              make_float2(gpuos_linear_act<ACT>(value(f, 0)), gpuos_linear_act<ACT>(value(f, 1)));
+          if (8 * f < left) *reinterpret_cast<float2*>(at + 32 * f) = v;
         }
       }
     }
@@ -889,14 +954,9 @@ __device__ __forceinline__ void gpuos_linear_mma(const GpuosTask* t, const Gpuos
   for (int i = begin; i < end; ++i) {
     const GpuosLinearItem it = gpuos_linear_item(p, i);
     float bias[NW][2]; /* of this lane's outputs, where the item adds it */
-    const bool biased = gpuos_linear_biased(p, it);
     const auto load_bias = [&]() {
-#pragma unroll
-      for (int f = 0; f < NW; ++f) {
-        const int n = Pipe::BN * it.nt + 8 * (NW * wn + f) + 2 * q;
-        bias[f][0] = biased ? gpuos_linear_bias(t, p, n) : 0.0f;
-        bias[f][1] = biased ? gpuos_linear_bias(t, p, n + 1) : 0.0f;
-      }
+      const int n0 = Pipe::BN * it.nt + 8 * NW * wn + 2 * q;
+      gpuos_linear_bias_pairs<BF16>(t, p, gpuos_linear_biased(p, it), n0, bias);
     };
     /* odd: below 64 rows, each step's second k16 half goes to its own accumulators, so that a
      * stage's products are two chains of STEPS dependent products, not one of 2 STEPS; summed
