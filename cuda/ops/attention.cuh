@@ -120,6 +120,15 @@ __device__ __forceinline__ GpuosKeys gpuos_keys(const GpuosTensorRef& ref) {
   return k;
 }
 
+/* An element offset in `ref`, walked over the dims of a row number with other rows (gpuos_seek):
+ * q's and out's rows ride on the seek that finds an item's keys, values and lengths, where
+ * gpuos_row_offset of each would be a chain of divisions over every dim of its own. */
+struct GpuosAttnOffset {
+  int64_t off;
+  const GpuosTensorRef* ref;
+  __device__ __forceinline__ void advance(int d, int64_t i) { off += i * ref->strides[d]; }
+};
+
 /* What the records of one task share, computed once per record by thread 0. */
 struct GpuosAttnPlan {
   int lead;               /* leading dims (rows are numbered over them) */
@@ -238,7 +247,9 @@ __device__ __forceinline__ GpuosAttnItem gpuos_attn_item(const GpuosTask* t,
   it.k = gpuos_keys(t->in[1]);
   it.v = gpuos_keys(t->in[2]);
   GpuosRow len = gpuos_vector(t->in[3]);
-  gpuos_seek(t->in[0], p.lead, it.row0, it.k, it.v, len);
+  GpuosAttnOffset q = {0, &t->in[0]}, out = {0, &t->out}; /* out's leading dims are q's */
+  gpuos_seek(t->in[0], p.lead, it.row0, it.k, it.v, len, q, out);
+  it.q[0] = q.off, it.out[0] = out.off;
   const int n = min(gpuos_load_i32(len.p), p.keys);
   if (newest && p.newest != nullptr) { /* its newest key and value from new_k and new_v */
     GpuosRow nk = gpuos_vector(p.newest[0]), nv = gpuos_vector(p.newest[1]);
@@ -252,17 +263,20 @@ __device__ __forceinline__ GpuosAttnItem gpuos_attn_item(const GpuosTask* t,
   return it;
 }
 
-/* it.q and it.out: the item's rows' offsets in q and out, by the threads first, first + stride,
- * ... (a block's, or a warp's lanes): each a chain of divisions over the dims, worked out before
- * the record's wait where the item is known then (gpuos_attn_warm), else before the queries are
- * staged, rather than in front of the queries' loads and behind the scan at the store (~1 us
- * each at one row, ~11 us at the store of a 4-query warp-mode item). */
+/* it.q and it.out past the first row (gpuos_attn_item's): the item's rows' offsets in q and out,
+ * by the threads first, first + stride, ... (a block's, or a warp's lanes), each a chain of
+ * divisions over the leading dims, worked out before the record's wait where the item is known
+ * then (gpuos_attn_warm), else before the queries are staged, rather than in front of the
+ * queries' loads and behind the scan at the store (~1 us each at one row, ~11 us at the store of
+ * a 4-query warp-mode item). */
 __device__ __forceinline__ void gpuos_attn_rows_of(const GpuosTask* t, GpuosAttnItem& it,
                                                    int first, int stride) {
   GPUOS_ROLLED
   for (int j = first; j < it.nq; j += stride) {
-    it.q[j] = gpuos_row_offset(t->in[0], it.row0 + j, 0);
-    it.out[j] = gpuos_row_offset(t->out, it.row0 + j, 0);
+    if (j == 0) continue;
+    GpuosAttnOffset q = {0, &t->in[0]}, out = {0, &t->out};
+    gpuos_seek(t->in[0], gpuos_row_dims(t->in[0]), it.row0 + j, q, out);
+    it.q[j] = q.off, it.out[j] = out.off;
   }
 }
 
