@@ -314,6 +314,17 @@ __device__ __forceinline__ unsigned short gpuos_ld_u16(const void* p) {
   return __ldcg(reinterpret_cast<const unsigned short*>(p));
 }
 
+/* gpuos_ld_u16 where `in`, else 0: a predicated load, no branch, so that a run of them is in
+ * flight together (each behind a branch of its own waited for the one before). */
+__device__ __forceinline__ unsigned short gpuos_ld_u16_if(bool in, const void* p) {
+  unsigned short v;
+  asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\nmov.b16 %0, 0;\n"
+               "@q ld.global.cg.u16 %0, [%1];\n}"
+               : "=h"(v)
+               : "l"(p), "r"(static_cast<int>(in)));
+  return v;
+}
+
 /* The element of GPUOS_DTYPE_* `dtype` at byte address `p`, as fp32. Branch-free (a predicated
  * load of each width, then selects) so that loads of several elements stay in one basic block
  * and can be in flight together; a branch per dtype serialised them. */

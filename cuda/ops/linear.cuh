@@ -797,16 +797,6 @@ __device__ __forceinline__ void gpuos_linear_issue(const GpuosLinearSource& src,
   }
 }
 
-/* The 16 bits at p where `in`, else 0: a predicated load through L2 (ld.global.cg), no branch. */
-__device__ __forceinline__ unsigned short gpuos_ld_u16_if(bool in, const void* p) {
-  unsigned short v;
-  asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\nmov.b16 %0, 0;\n"
-               "@q ld.global.cg.u16 %0, [%1];\n}"
-               : "=h"(v)
-               : "l"(p), "r"(static_cast<int>(in)));
-  return v;
-}
-
 /* A tensor-core lane's bias values (fp16 or bf16): bias[f] = outputs n0 + 8 f and n0 + 8 f + 1
  * (n0 even), zeros where the item adds none (biased) or past N. Every load is issued before any
  * is converted, so that they are all in flight together: behind gpuos_linear_bias's branches
