@@ -265,6 +265,13 @@ __device__ __forceinline__ float gpuos_bf16_to_f32(unsigned short b) {
   return __uint_as_float(static_cast<unsigned int>(b) << 16);
 }
 
+/* The 16 bits of a bf16 (BF16) or an fp16, widened: for code that knows its dtype at compile
+ * time (the tensor-core paths). */
+template <bool BF16>
+__device__ __forceinline__ float gpuos_16_to_f32(unsigned short h) {
+  return BF16 ? gpuos_bf16_to_f32(h) : gpuos_f16_to_f32(h);
+}
+
 /* Round to nearest even, as cvt.rn.bf16.f32 does (sm_80+); before sm_80 the same in integer
  * arithmetic: add half an ulp of bf16 (less one when the kept bit is even), truncate; NaN stays a
  * quiet NaN of the same sign. */

@@ -361,7 +361,7 @@ struct GpuosAttnRaw {
   template <bool BF16>
   __device__ __forceinline__ float at(int e) const {
     const unsigned short h = static_cast<unsigned short>(w[e / 2] >> (16 * (e & 1)));
-    return BF16 ? gpuos_bf16_to_f32(h) : gpuos_f16_to_f32(h);
+    return gpuos_16_to_f32<BF16>(h);
   }
 };
 

@@ -823,7 +823,7 @@ __device__ __forceinline__ void gpuos_linear_bias_pairs(const GpuosTask* t,
   for (int f = 0; f < NW; ++f) {
 #pragma unroll
     for (int e = 0; e < 2; ++e)
-      bias[f][e] = BF16 ? gpuos_bf16_to_f32(bits[f][e]) : gpuos_f16_to_f32(bits[f][e]);
+      bias[f][e] = gpuos_16_to_f32<BF16>(bits[f][e]);
   }
 }
 
