@@ -436,7 +436,7 @@ class AttentionFamily(Family):
             lengths = torch.full((), k.shape[-2], dtype=torch.int32, device=q.device).expand(lead)
         views = (q.expand(lead + (d,)), k.expand(kv), v.expand(kv))
         newest = _newest(inputs[4:], views[1:], lead)
-        plan = AttentionPlan.of(*views, lengths)
+        plan = AttentionPlan.of(*views, lengths, newest=bool(newest))
         control = _carrying(lengths, plan.workspace(q.device, newest))
         return Layout(views + (control,), lead + (d,), lead + (d,), plan.items, reads=newest)
 
@@ -467,10 +467,12 @@ class AttentionFamily(Family):
     ) -> None:
         """The rows of the groups whose split 0 is among items [begin, end): each row once,
         whichever records the items form (the device combines the splits instead)."""
-        rows = AttentionPlan.of(*xs).owned_rows(begin, end)
+        newest = _carried_newest(xs[3])
+        q, k, v, control = xs[:4]
+        rows = AttentionPlan.of(q, k, v, control, newest=bool(newest)).owned_rows(begin, end)
         if rows.numel() == 0:
             return
-        xs = (*xs, *_carried_newest(xs[3]))
+        xs = (*xs, *newest)
         at = torch.unravel_index(rows, out.shape[:-1])
         picked = [x[at].float() if x.is_floating_point() else x[at] for x in xs]
         out[at] = self.compute(picked, p, expr).to(out.dtype)
@@ -487,14 +489,15 @@ class AttentionFamily(Family):
         of claim, fetch and warm-up before its items, which the 32 chunks of a 512-row prefill
         step paid ~6 times a block a layer as 768 records of 8 items (GPT-2: 70 us a layer where
         the items took ~4 us a wave, s245)."""
-        plan = AttentionPlan.of(*task.inputs)
+        q, k, v, control = task.inputs
+        plan = AttentionPlan.of(q, k, v, control, newest=bool(task.reads))
         sms = plan.sms(task.inputs[0].device, task.share)
+        alone = task.share is None or task.share == 1
         if plan.warps:
             per_warp = min(_ceil_div(plan.items, ATTENTION_WARPS), sms)
-            alone = task.share is None or task.share == 1
             records = max(_ceil_div(plan.groups, ATTENTION_WARPS), per_warp) if alone else per_warp
         else:
-            records = ATTENTION_RECORDS_PER_SM * sms
+            records = ATTENTION_RECORDS_PER_SM * sms if alone else sms
         return _even(task.items, records)
 
 
@@ -1083,8 +1086,8 @@ ATTENTION_WARPS = 8  # warps of a block that scan keys
 ATTENTION_ALIGN = 16 * ATTENTION_WARPS  # a split's keys come in multiples of this: 16-key tiles
 ATTENTION_ACC = 16  # output accumulators per lane: queries of an item x D / 32
 ATTENTION_MAX_Q = 8  # queries of an item at most
-# Workspace words before the counters: G, NQ, C, S, W, N (new_k and new_v given), two zeros, then
-# new_k's and new_v's TENSOR_REFs (zeros without them).
+# Workspace words before the counters: G, NQ, C, S, W, N (new_k and new_v given), R (ragged), a
+# zero, then new_k's and new_v's TENSOR_REFs (zeros without them).
 ATTENTION_NEWEST = 8  # the word the refs start at
 ATTENTION_HEADER = ATTENTION_NEWEST + 2 * TENSOR_REF.itemsize // 4
 ATTENTION_ITEMS_PER_SM = 4  # keys are split until the items cover the SMs this many times
@@ -1098,8 +1101,9 @@ ATTENTION_WARP_SPLITS = 4
 @dataclass(frozen=True)
 class AttentionPlan:
     """How an attention task's work is cut, as cuda/ops/attention.cuh states it: groups of at most
-    `nq` of the `group` innermost rows that share K, V and lengths, and `splits` ranges of `chunk`
-    keys; one work item per (group, split). Shapes and strides decide it, never lengths."""
+    `nq` of the `group` innermost rows that share K and V (and lengths, unless `ragged`), and
+    `splits` ranges of `chunk` keys; one work item per (group, split). Shapes and strides decide
+    it, never lengths."""
 
     rows: int  # rows of q
     group: int  # G: innermost rows that share K, V and lengths
@@ -1107,7 +1111,8 @@ class AttentionPlan:
     d: int  # D
     splits: int  # S
     warps: bool = False  # W: warp mode, where the device can run it
-    readers: int = 1  # groups that read one K and V (a prefill chunk's rows share their slot's)
+    readers: int = 1  # sets of rows of one length that read one K and V (a prefill chunk's rows)
+    ragged: bool = False  # R: a group's rows have lengths of their own
 
     @property
     def nq(self) -> int:
@@ -1146,21 +1151,41 @@ class AttentionPlan:
 
     @classmethod
     def of(
-        cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lengths: torch.Tensor,
+        newest: bool = False,
     ) -> AttentionPlan:
-        """The plan of encoded views (lengths over q's leading dims, then anything). With a
+        """The plan of encoded views (lengths over q's leading dims, then anything). A group is
+        the innermost rows over which K and V do not move, each with its own length (`ragged`)
+        where the lengths move among them: a prefill chunk's rows over their slot's keys, up to
+        8 of them an item where each was an item of its own (`newest`: the task gives its rows'
+        newest keys apart, one per row, so rows group only where their lengths agree). With a
         group per SM or more, warp mode and splits of ATTENTION_WARP_KEYS (a block's items would
         each cost their latency one after another, whatever their keys), when that makes at most
         ATTENTION_WARP_SPLITS of them; else enough splits that the items cover
         ATTENTION_ITEMS_PER_SM times the SMs, when the keys allow."""
-        lead, group = q.shape[:-1], 1
-        for dim in reversed(range(len(lead))):
-            if lead[dim] != 1 and (k.stride(dim) or v.stride(dim) or lengths.stride(dim)):
-                break
-            group *= lead[dim]
-        group = max(group, 1)
-        shared = math.prod(n for dim, n in enumerate(lead) if not (k.stride(dim) or v.stride(dim)))
-        plan = cls(math.prod(lead), group, k.shape[-2], q.shape[-1], 1, readers=shared // group)
+        lead = q.shape[:-1]
+
+        def innermost(moves: Callable[[int], bool]) -> int:
+            """Rows of the innermost leading dims over which nothing `moves`."""
+            group = 1
+            for dim in reversed(range(len(lead))):
+                if lead[dim] != 1 and moves(dim):
+                    break
+                group *= lead[dim]
+            return max(group, 1)
+
+        def kv(dim: int) -> bool:
+            return bool(k.stride(dim) or v.stride(dim))
+
+        same = innermost(lambda dim: kv(dim) or bool(lengths.stride(dim)))
+        group = same if newest else innermost(kv)
+        shared = math.prod(n for dim, n in enumerate(lead) if not kv(dim))
+        rows, keys, d = math.prod(lead), k.shape[-2], q.shape[-1]
+        plan = cls(rows, group, keys, d, 1, readers=shared // same, ragged=group != same)
         sms, short = plan.sms(q.device), _ceil_div(plan.keys, ATTENTION_WARP_KEYS)
         if plan.groups >= sms and short <= ATTENTION_WARP_SPLITS:
             plan = replace(plan, splits=short, warps=True)
@@ -1173,9 +1198,10 @@ class AttentionPlan:
     def sms(self, device: torch.device, share: int | None = None) -> int:
         """Multiprocessors the task is cut for: a `share`-th of them where the call says that
         many tasks split the machine (OpCall.share), else all, or a `readers`-th of them where
-        that many groups read one K and V. A prefill step has a task per chunk of a prompt, each
-        reading its one slot's keys: cut for the whole machine, every chunk's task took a record
-        per SM (50k records in a GPT-2 step of 512 prompt rows) for a slot's worth of keys."""
+        that many sets of rows of one length read one K and V. A prefill step has a task per
+        chunk of a prompt, each reading its one slot's keys: cut for the whole machine, every
+        chunk's task took a record per SM (50k records in a GPT-2 step of 512 prompt rows) for a
+        slot's worth of keys."""
         if share is not None:
             return max(1, sm_count(device) // share)
         return _ceil_div(sm_count(device), self.readers)
@@ -1189,7 +1215,15 @@ class AttentionPlan:
         # the host and copied once
         words = torch.zeros(self.workspace_words, dtype=torch.int32, device=device)
         header = np.zeros(ATTENTION_HEADER, dtype=np.int32)
-        fields = (self.group, self.nq, self.chunk, self.splits, int(self.warps), int(bool(newest)))
+        fields = (
+            self.group,
+            self.nq,
+            self.chunk,
+            self.splits,
+            int(self.warps),
+            int(bool(newest)),
+            int(self.ragged),
+        )
         header[: len(fields)] = fields
         if newest:
             refs = np.frombuffer(b"".join(encode_ref(x) for x in newest), dtype=np.int32)

@@ -9,18 +9,21 @@
  *           the caller gave none. Its last dim has size 1, so no element is addressed through its
  *           stride, which instead holds the address of the task's workspace in int32 words (the
  *           ABI has no fifth input). The workspace, int32: GPUOS_ATTN_HEADER words (G, NQ, C, S,
- *           W, N, two zeros, then from word GPUOS_ATTN_NEWEST two GpuosTensorRefs when N != 0:
+ *           W, N, R, a zero, then from word GPUOS_ATTN_NEWEST two GpuosTensorRefs when N != 0:
  *           new_k and new_v [..., D] over q's leading dims, K's and V's dtype and last stride),
  *           then one arrival counter per group (zero between tasks: the last arrival resets
  *           it), padded to a multiple of 4 words, then S * groups partials when S > 1. With N,
  *           a row's newest key and value (at n - 1) are new_k's and new_v's rows, not K's and V's;
  *   out [..., D]; scalars[0] = scale.
- * Plan: the innermost G rows over which K, V and lengths do not move share one pass over their
- * keys; they form ceil(G / NQ) groups of at most NQ rows (queries). The keys [0, L) are cut into
- * S splits of C keys (a multiple of GPUOS_ATTN_ALIGN); work item i is (group i / S, split i % S)
- * and a record covers items [range_begin, range_end). The host picks C and S from shapes only, so
- * a program keeps its records when lengths change: splits at or past a row's length return at
- * once, and a row with n keys has A = ceil(n / C) active splits.
+ * Plan: the innermost G rows over which K and V (and lengths, unless R) do not move share one pass
+ * over their keys; they form ceil(G / NQ) groups of at most NQ rows (queries). The keys [0, L) are
+ * cut into S splits of C keys (a multiple of GPUOS_ATTN_ALIGN); work item i is (group i / S,
+ * split i % S) and a record covers items [range_begin, range_end). The host picks C and S from
+ * shapes only, so a program keeps its records when lengths change: splits at or past an item's
+ * length return at once, and an item with n keys has A = ceil(n / C) active splits. With R
+ * (ragged: a prefill chunk's rows over their slot's keys, never with N), an item's rows each have
+ * a length of their own, its n their longest: query j's scores past its own length are masked, and
+ * a query without keys in a split, or at all, leaves a partial with no weight, or zeros.
  *
  * Block mode (W = 0): the block takes the record's items one after another; in an item, warp w
  * of the first GPUOS_ATTN_WARPS takes 16-key tiles w, w + 8, ... of the split with an online
@@ -76,7 +79,7 @@
 /* Warp mode: each warp's staging area in gpuos_dynamic_smem, its item then its queries (at most
  * 8 rows of 192 bytes, at D = 64). */
 #define GPUOS_ATTN_WARP_SMEM 2048
-#define GPUOS_ATTN_WARP_Q 256 /* offset of the queries in it */
+#define GPUOS_ATTN_WARP_Q 320 /* offset of the queries in it */
 /* After the staging areas: each warp's outputs [query][dim], fp32, between its scan and the
  * store (GPUOS_ATTN_ACC * 32 floats). */
 #define GPUOS_ATTN_OUT_SMEM (GPUOS_ATTN_ACC * GPUOS_WARP * 4)
@@ -142,6 +145,7 @@ struct GpuosAttnPlan {
   const GpuosTensorRef* newest; /* new_k's ref (new_v's follows), or nullptr */
   bool fast;              /* the tensor-core path applies */
   bool warps;             /* warp mode: the host asked for it and it can run */
+  bool ragged;            /* an item's rows have lengths of their own (R) */
 };
 
 /* One work item, the same in every thread. */
@@ -149,9 +153,10 @@ struct GpuosAttnItem {
   int64_t row0;     /* its first row */
   int64_t q[GPUOS_ATTN_MAX_Q];   /* element offsets of row row0 + j in q ... */
   int64_t out[GPUOS_ATTN_MAX_Q]; /* ... and in out (gpuos_attn_rows_of) */
+  int n[GPUOS_ATTN_MAX_Q];       /* ragged plans: row row0 + j's keys (gpuos_attn_rows_of) */
   int nq;           /* its rows (queries) */
   int group, split;
-  int k0, k1;       /* its keys, cut at the row's length */
+  int k0, k1;       /* its keys, cut at its length (its rows' longest) */
   int active;       /* splits of the group that have keys: A */
   GpuosKeys k, v;   /* the group's keys and values */
 };
@@ -229,11 +234,20 @@ __device__ __forceinline__ GpuosAttnPlan gpuos_attn_plan(const GpuosTask* t) {
                  : reinterpret_cast<const GpuosTensorRef*>(ws + 4 * GPUOS_ATTN_NEWEST);
   p.fast = gpuos_attn_fast(t, p.d, p.newest);
   p.warps = gpuos_load_i32(ws + 16) != 0 && p.fast; /* its staging areas: fast checked them */
+  p.ragged = gpuos_load_i32(ws + 24) != 0;
   return p;
 }
 
+/* The item's active splits and its split's keys, for an item of n keys (n clamped to L). */
+__device__ __forceinline__ void gpuos_attn_span(const GpuosAttnPlan& p, GpuosAttnItem& it, int n) {
+  it.active = n <= 0 ? 0 : (n + p.chunk - 1) / p.chunk;
+  it.k0 = it.split * p.chunk;
+  it.k1 = min(it.k0 + p.chunk, n);
+}
+
 /* Item i; with `newest`, also where its rows' newest key and value sit when the task gives them
- * apart (a deal that only asks whether items are busy needs not seek them). */
+ * apart (a deal that only asks whether items are busy needs not seek them). In ragged plans its
+ * keys are its first row's until gpuos_attn_rows_of has read the others' lengths. */
 __device__ __forceinline__ GpuosAttnItem gpuos_attn_item(const GpuosTask* t,
                                                          const GpuosAttnPlan& p, int64_t i,
                                                          bool newest = true) {
@@ -257,9 +271,8 @@ __device__ __forceinline__ GpuosAttnItem gpuos_attn_item(const GpuosTask* t,
     it.k.newest = nk.p, it.v.newest = nv.p;
     it.k.last = it.v.last = n - 1;
   }
-  it.active = n <= 0 ? 0 : (n + p.chunk - 1) / p.chunk;
-  it.k0 = it.split * p.chunk;
-  it.k1 = min(it.k0 + p.chunk, n);
+  it.n[0] = n;
+  gpuos_attn_span(p, it, n);
   return it;
 }
 
@@ -268,16 +281,45 @@ __device__ __forceinline__ GpuosAttnItem gpuos_attn_item(const GpuosTask* t,
  * divisions over the leading dims, worked out before the record's wait where the item is known
  * then (gpuos_attn_warm), else before the queries are staged, rather than in front of the
  * queries' loads and behind the scan at the store (~1 us each at one row, ~11 us at the store of
- * a 4-query warp-mode item). */
-__device__ __forceinline__ void gpuos_attn_rows_of(const GpuosTask* t, GpuosAttnItem& it,
-                                                   int first, int stride) {
+ * a 4-query warp-mode item). In ragged plans also their lengths (it.n) on the same walk, and the
+ * item's keys from the longest (by the first warp, whose lanes hold every row: NQ <= 8). */
+__device__ __forceinline__ void gpuos_attn_rows_of(const GpuosTask* t, const GpuosAttnPlan& p,
+                                                   GpuosAttnItem& it, int first, int stride) {
+  int n = 0; /* ragged: the longest of this thread's rows */
   GPUOS_ROLLED
   for (int j = first; j < it.nq; j += stride) {
-    if (j == 0) continue;
+    if (j == 0) {
+      n = it.n[0];
+      continue;
+    }
     GpuosAttnOffset q = {0, &t->in[0]}, out = {0, &t->out};
-    gpuos_seek(t->in[0], gpuos_row_dims(t->in[0]), it.row0 + j, q, out);
+    GpuosRow len = gpuos_vector(t->in[3]);
+    if (p.ragged) gpuos_seek(t->in[0], p.lead, it.row0 + j, q, out, len);
+    else gpuos_seek(t->in[0], p.lead, it.row0 + j, q, out);
     it.q[j] = q.off, it.out[j] = out.off;
+    if (p.ragged) {
+      it.n[j] = min(gpuos_load_i32(len.p), p.keys);
+      n = max(n, it.n[j]);
+    }
   }
+  if (p.ragged && first < GPUOS_WARP) { /* warp-uniform */
+#pragma unroll
+    for (int o = 1; o < GPUOS_WARP; o <<= 1) n = max(n, __shfl_xor_sync(GPUOS_ALL_LANES, n, o));
+    if (first == 0) gpuos_attn_span(p, it, n);
+  }
+}
+
+/* Keys [k0, limit) of the item's split that its query j sees: in ragged plans those before its
+ * own length. */
+__device__ __forceinline__ int gpuos_attn_limit(const GpuosAttnPlan& p, const GpuosAttnItem& it,
+                                                int j) {
+  return p.ragged && j < it.nq ? min(it.k1, it.n[j]) : it.k1;
+}
+
+/* A query's output from its accumulated o and sum l: zeros for one that saw no key (ragged
+ * plans: a row without keys in an item whose other rows have some). */
+__device__ __forceinline__ float gpuos_attn_ratio(float o, float l) {
+  return l > 0.0f ? gpuos_div(o, l) : 0.0f;
 }
 
 /* Stage the item's queries in shared memory, rows past it zero, by the threads first,
@@ -579,6 +621,7 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
   GpuosAttnAcc<NQ, NS> acc; /* else: the CUDA-core value pass's accumulators */
   acc.zero();
   float m0 = none, m1 = none, l0 = 0.0f, l1 = 0.0f; /* queries 2c and 2c + 1 */
+  const int lim0 = gpuos_attn_limit(p, it, 2 * c), lim1 = gpuos_attn_limit(p, it, 2 * c + 1);
   float o[2 * NS][4] = {};                           /* TC: the value products' fragments */
   GPUOS_ROLLED
   for (int kb = first; kb < first + GPUOS_ATTN_ALIGN; kb += step)
@@ -595,15 +638,17 @@ __device__ __forceinline__ void gpuos_attn_scan_mma(const GpuosTask* t, const Gp
     gpuos_attn_scores<NS, NQ, BF16>(gpuos_attn_pair(it.k, kat, kb, it.k1), qrow, s);
     kat += step * it.k.lstep, vat += step * it.v.lstep;
     if (!TC) gpuos_attn_load_values(it, kb, raw);
-    const bool in0 = kb + g < it.k1, in1 = kb + g + 8 < it.k1;
-    s[0] = in0 ? scale * s[0] : none, s[1] = in0 ? scale * s[1] : none;
-    s[2] = in1 ? scale * s[2] : none, s[3] = in1 ? scale * s[3] : none;
-    /* key kb is in the tile, so both maxima are finite: -inf - n is -inf, and 2^-inf 0 */
+    const int key0 = kb + g, key1 = kb + g + 8;
+    s[0] = key0 < lim0 ? scale * s[0] : none, s[1] = key0 < lim1 ? scale * s[1] : none;
+    s[2] = key1 < lim0 ? scale * s[2] : none, s[3] = key1 < lim1 ? scale * s[3] : none;
     const float n0 = fmaxf(m0, gpuos_attn_max8(fmaxf(s[0], s[2])));
     const float n1 = fmaxf(m1, gpuos_attn_max8(fmaxf(s[1], s[3])));
-    const float a0 = gpuos_exp2(m0 - n0), a1 = gpuos_exp2(m1 - n1);
-    const float p0 = gpuos_exp2(s[0] - n0), p1 = gpuos_exp2(s[1] - n1);
-    const float p2 = gpuos_exp2(s[2] - n0), p3 = gpuos_exp2(s[3] - n1);
+    /* Exponentials against a finite reference: n, or 0 for a query that has seen no key yet
+     * (ragged plans), so that -inf - r is -inf and 2^-inf 0, never NaN */
+    const float r0 = n0 == none ? 0.0f : n0, r1 = n1 == none ? 0.0f : n1;
+    const float a0 = gpuos_exp2(m0 - r0), a1 = gpuos_exp2(m1 - r1);
+    const float p0 = gpuos_exp2(s[0] - r0), p1 = gpuos_exp2(s[1] - r1);
+    const float p2 = gpuos_exp2(s[2] - r0), p3 = gpuos_exp2(s[3] - r1);
     l0 = l0 * a0 + p0 + p2, l1 = l1 * a1 + p1 + p3, m0 = n0, m1 = n1;
     if constexpr (TC) {
 #pragma unroll
@@ -651,8 +696,9 @@ __device__ __forceinline__ void gpuos_attn_scan_generic(const GpuosAttnPlan& p,
   const int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
   const int64_t kofs = NS * lane * it.k.dstep, vofs = NS * lane * it.v.dstep;
   float m[NQ], l[NQ];
+  int lim[NQ];
 #pragma unroll
-  for (int j = 0; j < NQ; ++j) m[j] = gpuos_neg_inf(), l[j] = 0.0f;
+  for (int j = 0; j < NQ; ++j) m[j] = gpuos_neg_inf(), l[j] = 0.0f, lim[j] = gpuos_attn_limit(p, it, j);
   GPUOS_ROLLED
   for (int key = it.k0 + warp; key < it.k1; key += GPUOS_ATTN_WARPS) {
     const char *kr = it.k.key(key), *vr = it.v.key(key);
@@ -665,6 +711,7 @@ __device__ __forceinline__ void gpuos_attn_scan_generic(const GpuosAttnPlan& p,
     }
 #pragma unroll
     for (int j = 0; j < NQ; ++j) {
+      if (key >= lim[j]) continue; /* warp-uniform */
       float dot = 0.0f;
 #pragma unroll
       for (int e = 0; e < NS; ++e) {
@@ -786,7 +833,7 @@ __device__ __forceinline__ void gpuos_attn_combine(const GpuosTask* t, const Gpu
         den += ls[u] * f, num += os[u] * f;
       }
     }
-    return gpuos_div(num, den);
+    return gpuos_attn_ratio(num, den);
   });
 }
 
@@ -814,7 +861,7 @@ __device__ __forceinline__ void gpuos_attn_emit(const GpuosTask* t, const GpuosA
                                                 const GpuosAttnItem& it, GpuosAttnShared& sh) {
   if (it.active == 1) {
     gpuos_attn_store(t, p, it, threadIdx.x, blockDim.x,
-                     [&](int j, int d) { return gpuos_div(sh.o[j * p.d + d], sh.lall[j]); });
+                     [&](int j, int d) { return gpuos_attn_ratio(sh.o[j * p.d + d], sh.lall[j]); });
     return;
   }
   float* part = gpuos_attn_part(p, it, it.split);
@@ -849,7 +896,7 @@ __device__ __forceinline__ void gpuos_attn_gather(const GpuosTask* t, const Gpuo
       l += sh.l[w][j] * f, o += gpuos_attn_area(w)[i] * f;
     }
     if (part == nullptr) {
-      gpuos_store(t->out, gpuos_attn_out_at(t, it, j, d), gpuos_div(o, l));
+      gpuos_store(t->out, gpuos_attn_out_at(t, it, j, d), gpuos_attn_ratio(o, l));
     } else {
       part[2 * p.nq + i] = o;
       if (d == 0) part[j] = m, part[p.nq + j] = l;
@@ -895,11 +942,12 @@ __device__ __forceinline__ void gpuos_attn_items(const GpuosTask* t, GpuosAttnSh
     if (threadIdx.x == 0 && !decoded) sh.item = gpuos_attn_item(t, p, i);
     __syncthreads();
     GPUOS_MARK(1);
-    if (!gpuos_attn_busy(it)) continue;
+    if (!p.ragged && !gpuos_attn_busy(it)) continue; /* else its length is its rows' longest */
     if (!decoded) {
-      gpuos_attn_rows_of(t, sh.item, threadIdx.x, blockDim.x);
+      gpuos_attn_rows_of(t, p, sh.item, threadIdx.x, blockDim.x);
       __syncthreads();
     }
+    if (!gpuos_attn_busy(it)) continue;
     if (it.active == 0) {
       gpuos_attn_store(t, p, it, threadIdx.x, blockDim.x, [](int, int) { return 0.0f; });
       continue;
@@ -935,13 +983,35 @@ __device__ __forceinline__ int gpuos_nth_bit(unsigned int mask, int k) {
   return __ffs(mask) - 1;
 }
 
-/* The busy items among the record's items r0 .. r0 + 31 (lane i decodes item r0 + i, from the
- * lengths as they are), as a ballot. Warp-uniform. */
+/* Whether item i has work, from the lengths as they are: every item where the keys are one
+ * split (its split 0 has keys, or writes its rows' zeros); else in ragged plans from its rows'
+ * longest, each row's length found by a walk of its own (unrolled: their loads in flight
+ * together), where an item that is not busy would cost its warp a decode and a walk of its rows
+ * (the splits past a chunk's prompt, in slots of many keys). The walks cost a record ~3 us before
+ * its wait (H200, s261). */
+__device__ __forceinline__ bool gpuos_attn_busy_at(const GpuosTask* t, const GpuosAttnPlan& p,
+                                                   int64_t i) {
+  if (p.splits == 1) return true;
+  GpuosAttnItem it = gpuos_attn_item(t, p, i, false);
+  if (p.ragged) {
+    int n = it.n[0];
+#pragma unroll
+    for (int j = 1; j < GPUOS_ATTN_MAX_Q; ++j) {
+      GpuosRow len = gpuos_vector(t->in[3]);
+      gpuos_seek(t->in[0], p.lead, it.row0 + min(j, it.nq - 1), len);
+      n = max(n, min(gpuos_load_i32(len.p), p.keys));
+    }
+    gpuos_attn_span(p, it, n);
+  }
+  return gpuos_attn_busy(it);
+}
+
+/* The busy items among the record's items r0 .. r0 + 31 (lane i decodes item r0 + i), as a
+ * ballot. Warp-uniform. */
 __device__ __forceinline__ unsigned int gpuos_attn_busy_round(const GpuosTask* t,
                                                              const GpuosAttnPlan& p, int64_t r0) {
   const int64_t i = r0 + threadIdx.x % GPUOS_WARP;
-  const bool busy = i < t->range_end && gpuos_attn_busy(gpuos_attn_item(t, p, i, false));
-  return __ballot_sync(GPUOS_ALL_LANES, busy);
+  return __ballot_sync(GPUOS_ALL_LANES, i < t->range_end && gpuos_attn_busy_at(t, p, i));
 }
 
 /* Warp mode's deal: f(i) for each item of the record that has work and falls to this warp, in
@@ -982,7 +1052,7 @@ __device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const G
   if (lane == 0 && !decoded) it = gpuos_attn_item(t, p, i);
   __syncwarp();
   if (!decoded) { /* else gpuos_attn_warm's */
-    gpuos_attn_rows_of(t, it, lane, GPUOS_WARP);
+    gpuos_attn_rows_of(t, p, it, lane, GPUOS_WARP);
     __syncwarp();
   }
   GPUOS_MARK(1); /* marks: warp 0's last item */
@@ -999,7 +1069,7 @@ __device__ __forceinline__ void gpuos_attn_warp_item(const GpuosTask* t, const G
   const float *m = sh.m[warp], *l = sh.l[warp], *o = gpuos_attn_area(warp);
   if (it.active == 1) {
     gpuos_attn_store<D>(t, p, it, lane, GPUOS_WARP,
-                        [&](int j, int d) { return gpuos_div(o[j * D + d], l[j]); });
+                        [&](int j, int d) { return gpuos_attn_ratio(o[j * D + d], l[j]); });
     GPUOS_MARK(4);
     return;
   }
@@ -1076,7 +1146,7 @@ __device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, GpuosAttnSha
     if (known && threadIdx.x == 0) sh.item = it;
     if (known) { /* uniform */
       __syncthreads();
-      gpuos_attn_rows_of(t, sh.item, threadIdx.x, blockDim.x);
+      gpuos_attn_rows_of(t, p, sh.item, threadIdx.x, blockDim.x);
     }
     if (p.fast) gpuos_attn_warm_item(t, p, it, it.k1 - it.k0, threadIdx.x, blockDim.x);
     return;
@@ -1093,7 +1163,7 @@ __device__ __forceinline__ void gpuos_attn_warm(const GpuosTask* t, GpuosAttnSha
                                                               GPUOS_ATTN_WARP_SMEM * warp);
     if (threadIdx.x % GPUOS_WARP == 0) staged = it;
     __syncwarp();
-    gpuos_attn_rows_of(t, staged, threadIdx.x % GPUOS_WARP, GPUOS_WARP);
+    gpuos_attn_rows_of(t, p, staged, threadIdx.x % GPUOS_WARP, GPUOS_WARP);
   }
   const int keys = min(it.k1 - it.k0, GPUOS_ATTN_ALIGN);
   gpuos_attn_warm_item(t, p, it, max(keys, 0), threadIdx.x % GPUOS_WARP, GPUOS_WARP);

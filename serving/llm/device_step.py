@@ -566,17 +566,19 @@ class ProgramOps:
         # [n, kv, d] -> [n, kv, group, d]
         rows_of = [x[:, :, None].expand(heads) for x in newest or ()]
         lengths = self._input("lengths")[rows].view(n, 1, 1)
+        keys, values = kv(self.pool.keys[layer]), kv(self.pool.values[layer])
+        target = out[rows].view(heads)
+        views: tuple[torch.Tensor, ...] = (q[rows].view(heads), keys, values, lengths, target)
+        if newest is None:
+            # rows of one slot (a chunk's) innermost: up to 8 of them, each over its own length,
+            # share an item's pass over the slot's keys (AttentionPlan: ragged groups)
+            views = tuple(x.movedim(0, 2) for x in views)
+        *inputs, target = views
         self.build.add(
             OpCall(
                 "attention_decode",
-                (
-                    q[rows].view(heads),
-                    kv(self.pool.keys[layer]),
-                    kv(self.pool.values[layer]),
-                    lengths,
-                    *rows_of,
-                ),
-                out=out[rows].view(heads),
+                (*inputs, *rows_of),
+                out=target,
                 scalars={"scale": 1 / math.sqrt(c.head_dim)},
                 share=share,
             )

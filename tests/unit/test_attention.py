@@ -190,6 +190,68 @@ def test_warp_mode_over_ragged_rows_reruns_and_reproduces(
         assert torch.equal(out, first)
 
 
+def chunk_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> OpCall:
+    """The prefill step's call for a chunk: q [Hkv, G, R, D], its R rows innermost, over one
+    slot's K and V [Hkv, L, D] (broadcast over the group and the rows), a length per row."""
+    shape = (*q.shape[:-1], *k.shape[-2:])
+    n = lengths.view(1, 1, -1)
+    return OpCall(
+        "attention_decode", (q, k[:, None, None].expand(shape), v[:, None, None].expand(shape), n)
+    )
+
+
+def chunk_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """sliced_attention with each of the chunk's rows as a request of its own."""
+    rows = q.shape[2]
+    own = [x[None].expand(rows, *x.shape) for x in (k, v)]
+    return sliced_attention(q.movedim(2, 0), *own, lengths).movedim(0, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "d, capacity, kv_heads, group, nq",
+    [(64, 1024, 2, 4, 8), (128, 1024, 2, 4, 4), (64, 4096, 1, 1, 8), (80, 600, 2, 4, 4)],
+    ids=["d64-warp", "d128-warp", "d64-block", "d80-cuda-cores"],
+)
+def test_a_chunks_rows_share_items_each_over_its_own_length(
+    rt: Runtime, dtype: torch.dtype, d: int, capacity: int, kv_heads: int, group: int, nq: int
+) -> None:
+    """A prefill chunk's 24 rows over one slot (2 KV heads of 4 queries, or one): up to 8 rows
+    an item, each masked at its own length (split edges, one key, none, negative, past the
+    cache; the last 8 rows of the second run all without keys, an item with nothing to do), over
+    several splits in warp mode, in block mode and on CUDA cores; each against SDPA, then the same
+    program over new lengths, twice (the second run bitwise the first's). Keys past the longest
+    row are NaN: never read."""
+    rows = 24
+    k, v = cache(rt, 1, kv_heads, capacity, d, dtype, [capacity], seed=d)
+    q = randn(rt, (kv_heads, group, rows, d), dtype, seed=d + 1)
+    rng = random.Random(capacity + d)
+    edges = [0, -1, 1, 255, 256, 257, 5000, 17]
+    first = edges + [rng.randint(1, capacity) for _ in range(rows - len(edges))]
+    second = [rng.randint(-2, capacity) for _ in range(rows - 8)] + [0] * 8
+    longest = max(min(n, capacity) for n in first + second)
+    k[:, :, longest:], v[:, :, longest:] = float("nan"), float("nan")
+    k, v = k[0], v[0]
+    lengths = ints(rt, first)
+    call = chunk_call(q, k, v, lengths)
+    plan = AttentionPlan.of(*rt.prepare(call).inputs)
+    assert (plan.ragged, plan.group, plan.nq) == (True, group * rows, nq)
+    assert plan.splits > 1 and plan.warps == (capacity <= 1024)  # D = 80: block mode on a GPU
+    build = rt.program()
+    out = build.add(call)
+    step = build.build()
+    for n in (first, second):
+        lengths.copy_(ints(rt, n))
+        rt.submit(step).wait(30)
+        assert_close(out, chunk_reference(q, k, v, lengths))
+        assert (out[:, :, [i for i, m in enumerate(n) if m <= 0]] == 0).all()
+        again = out.clone()
+        rt.submit(step).wait(30)
+        assert torch.equal(out, again)
+
+
 def test_runs_are_bitwise_reproducible(rt: Runtime) -> None:
     lengths = [4096, 37, 2000]
     k, v = cache(rt, 3, 2, 4096, 128, torch.bfloat16, lengths, 8)
@@ -272,6 +334,22 @@ def test_a_prefill_chunk_reading_one_slot_is_cut_for_its_share_of_the_sms(rt: Ru
     assert records(slot, share=32) == sms // 32
     with pytest.raises(TensorSpecError, match="share must be at least 1"):
         records(slot, share=0)
+
+
+def test_a_chunks_rows_group_over_their_lengths_unless_their_newest_keys_come_apart() -> None:
+    """Rows that share K and V group whatever their lengths (ragged), up to 8 an item, where the
+    lengths alone moved them into items of their own; with new_k and new_v each row has a newest
+    key of its own, so they group only over rows of one length. The plan's header says which."""
+    heads, rows, keys, d = 12, 16, 128, 64
+    q = torch.zeros(heads, 1, rows, d)
+    slot = torch.zeros(heads, 1, 1, keys, d).expand(heads, 1, rows, keys, d)
+    lengths = torch.arange(rows, dtype=torch.int32).view(1, 1, rows).expand(heads, 1, rows)
+    chunk = AttentionPlan.of(q, slot, slot, lengths)
+    assert (chunk.group, chunk.nq, chunk.groups, chunk.ragged) == (rows, 8, heads * 2, True)
+    assert chunk.readers == rows  # the machine's share it is cut for, as before (one per row)
+    apart = AttentionPlan.of(q, slot, slot, lengths, newest=True)
+    assert (apart.group, apart.groups, apart.ragged) == (1, heads * rows, False)
+    assert chunk.workspace(q.device)[6] == 1 and apart.workspace(q.device)[6] == 0
 
 
 def test_warp_mode_records_take_a_warp_an_item_and_leave_the_other_sms_free() -> None:
