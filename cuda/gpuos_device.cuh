@@ -754,6 +754,34 @@ struct GpuosBlockGroup {
   __device__ static float max(float v) { return gpuos_block_max(v); }
 };
 
+/* Threads of the block's pair of warps p (warps 2p, 2p + 1) wait for each other: named barrier
+ * p + 1 (0 is __syncthreads'), so at most 15 pairs: blockDim.x <= 960. */
+__device__ __forceinline__ void gpuos_pair_sync(unsigned int pair) {
+  asm volatile("bar.sync %0, 64;" ::"r"(pair + 1) : "memory");
+}
+
+/* Sum over a pair of warps, every thread of the pair getting it; the leading barrier as
+ * gpuos_block_sum's, the warps' partials added in warp order. */
+__device__ __forceinline__ float gpuos_pair_sum(float v) {
+  __shared__ float partial[GPUOS_WARP];
+  const unsigned int lane = threadIdx.x % GPUOS_WARP, warp = threadIdx.x / GPUOS_WARP;
+  v = gpuos_warp_sum(v);
+  gpuos_pair_sync(warp / 2);
+  if (lane == 0) partial[warp] = v;
+  gpuos_pair_sync(warp / 2);
+  return partial[warp & ~1u] + partial[warp | 1u];
+}
+
+/* A pair of warps a row (sums only): a block's few rows side by side where each is too long for
+ * a warp (a prefill record's 4 residual rows of 768, which a block took one after another). */
+struct GpuosPairGroup {
+  __device__ static unsigned int rank() { return threadIdx.x % (2 * GPUOS_WARP); }
+  __device__ static unsigned int size() { return 2 * GPUOS_WARP; }
+  __device__ static unsigned int index() { return threadIdx.x / (2 * GPUOS_WARP); }
+  __device__ static unsigned int count() { return blockDim.x / (2 * GPUOS_WARP); }
+  __device__ static float sum(float v) { return gpuos_pair_sum(v); }
+};
+
 /* Rows at most this long go one per warp even when the task has fewer rows than warps. */
 #define GPUOS_WARP_ROW_MAX 256
 

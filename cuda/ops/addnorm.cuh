@@ -20,16 +20,27 @@
 #include "ops/rows.cuh" /* found through -I<repo>/cuda */
 
 #define GPUOS_ADDNORM_MAX_PARTS 6
-#define GPUOS_ADDNORM_VEC 2 /* 4-element chunks of a row a thread holds on the fast path */
+
+/* 4-element chunks of a row a thread holds on the fast path with group G: 2, or 3 in a pair of
+ * warps (a row of 768 on 64 threads). */
+template <class G>
+struct GpuosAddNormVec {
+  static constexpr int value = 2;
+};
+template <>
+struct GpuosAddNormVec<GpuosPairGroup> {
+  static constexpr int value = 3;
+};
 
 /* ---- the fast path: a row in registers ---------------------------------------------------- */
 
 /* Whether the task's rows take the fast path with group G: every tensor contiguous and aligned
- * to 4 elements, rows a multiple of 4 long and at most GPUOS_ADDNORM_VEC chunks of 4 a thread.
+ * to 4 elements, rows a multiple of 4 long and at most GpuosAddNormVec chunks of 4 a thread.
  * Depends on the task only (uniform over the block). */
 template <class G>
 __device__ __forceinline__ bool gpuos_addnorm_fast(const GpuosTask* t, int64_t n) {
-  bool ok = n % 4 == 0 && n <= 4 * GPUOS_ADDNORM_VEC * static_cast<int64_t>(G::size());
+  constexpr int VEC = GpuosAddNormVec<G>::value;
+  bool ok = n % 4 == 0 && n <= 4 * VEC * static_cast<int64_t>(G::size());
   ok = ok && gpuos_is_contiguous(t->out) && gpuos_aligned4(t->out, 0);
   GPUOS_ROLLED
   for (int i = 0; i < t->num_inputs; ++i)
@@ -71,18 +82,19 @@ __device__ __forceinline__ int64_t gpuos_addnorm_chunk(int i) {
   return 4 * (G::rank() + i * static_cast<int64_t>(G::size()));
 }
 
-/* The parameters of a thread's chunks of a row on the fast path, the same for every row: the
- * weight (1 without one) and the bias (0 without one). */
+/* The parameters of a thread's VEC chunks of a row on the fast path, the same for every row:
+ * the weight (1 without one) and the bias (0 without one). */
+template <int VEC>
 struct GpuosAddNormParams {
-  float w[GPUOS_ADDNORM_VEC][4], b[GPUOS_ADDNORM_VEC][4];
+  float w[VEC][4], b[VEC][4];
 };
 
 template <bool RMS, class G>
-__device__ __forceinline__ void gpuos_addnorm_params(const GpuosTask* t, int64_t n,
-                                                     GpuosAddNormParams& p) {
+__device__ __forceinline__ void gpuos_addnorm_params(
+    const GpuosTask* t, int64_t n, GpuosAddNormParams<GpuosAddNormVec<G>::value>& p) {
   const bool has_w = t->num_inputs > 2, has_b = !RMS && t->num_inputs > 3;
 #pragma unroll
-  for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
+  for (int i = 0; i < GpuosAddNormVec<G>::value; ++i) {
     const int64_t j = gpuos_addnorm_chunk<G>(i);
 #pragma unroll
     for (int e = 0; e < 4; ++e) p.w[i][e] = 1.0f, p.b[i][e] = 0.0f;
@@ -96,15 +108,16 @@ __device__ __forceinline__ void gpuos_addnorm_params(const GpuosTask* t, int64_t
  * y (all its parts) together, keeps the sums in registers and stores x and out once. MAXP: y's
  * parts at most (1: y is one tensor). */
 template <bool RMS, int MAXP, class G>
-__device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64_t r, int64_t n,
-                                                       const GpuosAddNormParams& p) {
+__device__ __forceinline__ void gpuos_addnorm_fast_row(
+    const GpuosTask* t, int64_t r, int64_t n, const GpuosAddNormParams<GpuosAddNormVec<G>::value>& p) {
+  constexpr int VEC = GpuosAddNormVec<G>::value;
   const GpuosTensorRef &x = t->in[0], &y = t->in[1];
   const int count = MAXP > 1 ? static_cast<int>(y.sizes[0]) : 1;
   const int64_t split = MAXP > 1 ? gpuos_step(y, 0) : 0;
   const int64_t row = r * n;
-  float v[GPUOS_ADDNORM_VEC][4], sum[GPUOS_ADDNORM_VEC][4];
+  float v[VEC][4], sum[VEC][4];
 #pragma unroll
-  for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) { /* every chunk's loads before any use */
+  for (int i = 0; i < VEC; ++i) { /* every chunk's loads before any use */
     const int64_t j = gpuos_addnorm_chunk<G>(i);
     if (j >= n) continue;
     gpuos_load4(x, row + j, v[i]);
@@ -112,7 +125,7 @@ __device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64
   }
   float s = 0.0f;
 #pragma unroll
-  for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
+  for (int i = 0; i < VEC; ++i) {
     const int64_t j = gpuos_addnorm_chunk<G>(i);
     if (j >= n) continue;
 #pragma unroll
@@ -132,7 +145,7 @@ __device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64
     mean = gpuos_div(total, nf);
     float q = 0.0f; /* squared deviations from registers: E[x^2] - mean^2 cancels */
 #pragma unroll
-    for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
+    for (int i = 0; i < VEC; ++i) {
       if (gpuos_addnorm_chunk<G>(i) >= n) continue;
 #pragma unroll
       for (int e = 0; e < 4; ++e) q += (v[i][e] - mean) * (v[i][e] - mean);
@@ -141,7 +154,7 @@ __device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64
   }
   GPUOS_MARK(1);
 #pragma unroll
-  for (int i = 0; i < GPUOS_ADDNORM_VEC; ++i) {
+  for (int i = 0; i < VEC; ++i) {
     const int64_t j = gpuos_addnorm_chunk<G>(i);
     if (j >= n) continue;
     float o[4];
@@ -160,7 +173,7 @@ __device__ __forceinline__ void gpuos_addnorm_fast_rows(const GpuosTask* t, int6
   bool early = true;
   GPUOS_ROLLED
   for (int k = 2; k < t->num_inputs; ++k) early = early && gpuos_settled(t, k);
-  GpuosAddNormParams p;
+  GpuosAddNormParams<GpuosAddNormVec<G>::value> p;
   if (early) {
     gpuos_addnorm_params<RMS, G>(t, n, p);
     gpuos_await(t);
@@ -248,12 +261,18 @@ struct GpuosAddNormRow {
   }
 };
 
-/* The fast path where the task allows it, else the passes of rows.cuh. */
+/* The fast path where the task allows it, else the passes of rows.cuh. Rows a warp each where
+ * gpuos_rows_by_warp says so; else a pair of warps each where the record has several rows and
+ * they fit (a prefill record's 4 rows of 768 side by side: a block took them one after another,
+ * a round trip each), else the block each. */
 template <bool RMS>
 __device__ __forceinline__ void gpuos_add_norm(const GpuosTask* t) {
   const int64_t n = gpuos_row_len(t->in[0]);
-  if (gpuos_rows_by_warp(t, n) ? gpuos_addnorm_try_fast<RMS, GpuosWarpGroup>(t, n)
-                               : gpuos_addnorm_try_fast<RMS, GpuosBlockGroup>(t, n))
+  const bool pairs = t->range_end - t->range_begin > 1 &&
+                     n <= 4 * GpuosAddNormVec<GpuosPairGroup>::value * GpuosPairGroup::size();
+  if (gpuos_rows_by_warp(t, n)   ? gpuos_addnorm_try_fast<RMS, GpuosWarpGroup>(t, n)
+      : pairs ? gpuos_addnorm_try_fast<RMS, GpuosPairGroup>(t, n)
+              : gpuos_addnorm_try_fast<RMS, GpuosBlockGroup>(t, n))
     return;
   gpuos_norm_warm_await<2>(t);
   gpuos_rows<GpuosAddNormRow<RMS> >(t);

@@ -20,6 +20,7 @@ OPS = ("add_rmsnorm", "add_layernorm")
 # ragged lengths, rows one per warp and rows a block each, either side of 256 (the warp's limit)
 SHAPES = [(1, 1), (3, 7), (5, 33), (2, 3, 300), (1, 4096), (17, 1000), (64, 257)]
 SHAPES += [(3, 256), (3, 257), (1, 768), (2, 2048)]  # rows held in registers: 768 to 2048
+SHAPES += [(4, 768), (5, 764)]  # a few rows of up to 768 in a record: a pair of warps each
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_partial_sums_as_the_residual(rt: Runtime, op: str, dtype: torch.dtype) 
     split order: x becomes (x + ((y0 + y1) + ...)).to(x.dtype) bit for bit."""
     for seed, (shape, splits) in enumerate(
         [((1, 768), 3), ((64, 768), 6), ((3, 257), 6), ((2, 3, 300), 1), ((5, 33), 2)]
-        + [((2, 2048), 4), ((3, 256), 5)]
+        + [((2, 2048), 4), ((3, 256), 5), ((4, 768), 4)]
     ):
         x = randn(rt, shape, dtype, 7 * seed)
         parts = randn(rt, (splits, *shape), torch.float32, 7 * seed + 1)
