@@ -491,7 +491,7 @@ class AttentionFamily(Family):
         the items took ~4 us a wave, s245)."""
         q, k, v, control = task.inputs
         plan = AttentionPlan.of(q, k, v, control, newest=bool(task.reads))
-        sms = plan.sms(task.inputs[0].device, task.share)
+        sms = plan.sms(q.device, task.share)
         alone = task.share is None or task.share == 1
         if plan.warps:
             per_warp = min(_ceil_div(plan.items, ATTENTION_WARPS), sms)
@@ -1106,7 +1106,7 @@ class AttentionPlan:
     it, never lengths."""
 
     rows: int  # rows of q
-    group: int  # G: innermost rows that share K, V and lengths
+    group: int  # G: innermost rows that share K and V (and lengths, unless ragged)
     keys: int  # L
     d: int  # D
     splits: int  # S

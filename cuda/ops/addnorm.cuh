@@ -82,16 +82,16 @@ __device__ __forceinline__ int64_t gpuos_addnorm_chunk(int i) {
   return 4 * (G::rank() + i * static_cast<int64_t>(G::size()));
 }
 
-/* The parameters of a thread's VEC chunks of a row on the fast path, the same for every row:
- * the weight (1 without one) and the bias (0 without one). */
-template <int VEC>
+/* The parameters of a thread's chunks of a row on the fast path with group G, the same for
+ * every row: the weight (1 without one) and the bias (0 without one). */
+template <class G>
 struct GpuosAddNormParams {
-  float w[VEC][4], b[VEC][4];
+  float w[GpuosAddNormVec<G>::value][4], b[GpuosAddNormVec<G>::value][4];
 };
 
 template <bool RMS, class G>
-__device__ __forceinline__ void gpuos_addnorm_params(
-    const GpuosTask* t, int64_t n, GpuosAddNormParams<GpuosAddNormVec<G>::value>& p) {
+__device__ __forceinline__ void gpuos_addnorm_params(const GpuosTask* t, int64_t n,
+                                                     GpuosAddNormParams<G>& p) {
   const bool has_w = t->num_inputs > 2, has_b = !RMS && t->num_inputs > 3;
 #pragma unroll
   for (int i = 0; i < GpuosAddNormVec<G>::value; ++i) {
@@ -108,8 +108,8 @@ __device__ __forceinline__ void gpuos_addnorm_params(
  * y (all its parts) together, keeps the sums in registers and stores x and out once. MAXP: y's
  * parts at most (1: y is one tensor). */
 template <bool RMS, int MAXP, class G>
-__device__ __forceinline__ void gpuos_addnorm_fast_row(
-    const GpuosTask* t, int64_t r, int64_t n, const GpuosAddNormParams<GpuosAddNormVec<G>::value>& p) {
+__device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64_t r, int64_t n,
+                                                       const GpuosAddNormParams<G>& p) {
   constexpr int VEC = GpuosAddNormVec<G>::value;
   const GpuosTensorRef &x = t->in[0], &y = t->in[1];
   const int count = MAXP > 1 ? static_cast<int>(y.sizes[0]) : 1;
@@ -173,7 +173,7 @@ __device__ __forceinline__ void gpuos_addnorm_fast_rows(const GpuosTask* t, int6
   bool early = true;
   GPUOS_ROLLED
   for (int k = 2; k < t->num_inputs; ++k) early = early && gpuos_settled(t, k);
-  GpuosAddNormParams<GpuosAddNormVec<G>::value> p;
+  GpuosAddNormParams<G> p;
   if (early) {
     gpuos_addnorm_params<RMS, G>(t, n, p);
     gpuos_await(t);

@@ -698,7 +698,10 @@ __device__ __forceinline__ void gpuos_attn_scan_generic(const GpuosAttnPlan& p,
   float m[NQ], l[NQ];
   int lim[NQ];
 #pragma unroll
-  for (int j = 0; j < NQ; ++j) m[j] = gpuos_neg_inf(), l[j] = 0.0f, lim[j] = gpuos_attn_limit(p, it, j);
+  for (int j = 0; j < NQ; ++j) {
+    m[j] = gpuos_neg_inf(), l[j] = 0.0f;
+    lim[j] = gpuos_attn_limit(p, it, j);
+  }
   GPUOS_ROLLED
   for (int key = it.k0 + warp; key < it.k1; key += GPUOS_ATTN_WARPS) {
     const char *kr = it.k.key(key), *vr = it.v.key(key);
