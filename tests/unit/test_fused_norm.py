@@ -6,6 +6,7 @@ strided shapes, tiled tasks and every float dtype; plus the validation messages.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -20,12 +21,26 @@ OPS = ("add_rmsnorm", "add_layernorm")
 # ragged lengths, rows one per warp and rows a block each, either side of 256 (the warp's limit)
 SHAPES = [(1, 1), (3, 7), (5, 33), (2, 3, 300), (1, 4096), (17, 1000), (64, 257)]
 SHAPES += [(3, 256), (3, 257), (1, 768), (2, 2048)]  # rows held in registers: 768 to 2048
-SHAPES += [(4, 768), (5, 764)]  # a few rows of up to 768 in a record: a pair of warps each
+SHAPES += [(4, 768), (5, 764)]  # on CUDA a record a row: the block each
+# On CUDA these are cut 2-4 rows a record (rows over 132 SMs, as a prefill step's are), which the
+# device runs side by side: a pair of warps a row up to 768, else the block a row, one after
+# another. The CPU backend computes every record with torch, so they run on CUDA only.
+RECORD_SHAPES = [(512, 768), (390, 764), (512, 2048), (300, 1028), (260, 2044)]
+# (shape, splits): y as a linear_parts' partial sums
+PARTS = [((1, 768), 3), ((64, 768), 6), ((3, 257), 6), ((2, 3, 300), 1), ((5, 33), 2)]
+PARTS += [((2, 2048), 4), ((3, 256), 5), ((4, 768), 4)]
+RECORD_PARTS = [((512, 768), 4), ((512, 2048), 2), ((300, 1028), 2), ((512, 2048), 3)]
 
 
 @pytest.fixture(scope="module")
 def rt(tiled_rt: Runtime) -> Runtime:
     return tiled_rt
+
+
+@pytest.fixture(scope="module")
+def cuda_rt() -> Iterator[Runtime]:
+    with Runtime("cuda") as runtime:
+        yield runtime
 
 
 def unfused(
@@ -68,10 +83,11 @@ def check(
     assert err < TOLERANCE[out.dtype], f"{op}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("op", OPS)
-def test_fused_equals_unfused_over_shapes(rt: Runtime, op: str, dtype: torch.dtype) -> None:
-    for seed, shape in enumerate(SHAPES):
+def check_shapes(
+    rt: Runtime, op: str, dtype: torch.dtype, shapes: Sequence[tuple[int, ...]]
+) -> None:
+    """x and y of each shape, with the op's parameters, against the unfused reference."""
+    for seed, shape in enumerate(shapes):
         n = shape[-1]
         x, y = randn(rt, shape, dtype, 3 * seed), randn(rt, shape, dtype, 3 * seed + 1)
         params = tuple(
@@ -80,15 +96,12 @@ def test_fused_equals_unfused_over_shapes(rt: Runtime, op: str, dtype: torch.dty
         check(rt, op, x, y, params)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("op", OPS)
-def test_partial_sums_as_the_residual(rt: Runtime, op: str, dtype: torch.dtype) -> None:
+def check_parts(
+    rt: Runtime, op: str, dtype: torch.dtype, cases: Sequence[tuple[tuple[int, ...], int]]
+) -> None:
     """y given as a linear_parts' S partial sums [S, *x.shape] (fp32) stands for their sum in
     split order: x becomes (x + ((y0 + y1) + ...)).to(x.dtype) bit for bit."""
-    for seed, (shape, splits) in enumerate(
-        [((1, 768), 3), ((64, 768), 6), ((3, 257), 6), ((2, 3, 300), 1), ((5, 33), 2)]
-        + [((2, 2048), 4), ((3, 256), 5), ((4, 768), 4)]
-    ):
+    for seed, (shape, splits) in enumerate(cases):
         x = randn(rt, shape, dtype, 7 * seed)
         parts = randn(rt, (splits, *shape), torch.float32, 7 * seed + 1)
         total = parts[0].cpu().clone()
@@ -103,6 +116,26 @@ def test_partial_sums_as_the_residual(rt: Runtime, op: str, dtype: torch.dtype) 
         out = run_fused(rt, op, x, parts, params, 1e-5)
         assert torch.equal(x.cpu(), want_x), f"{shape} in {splits} parts"
         assert rel_error(out.cpu(), want_out) < TOLERANCE[out.dtype], f"{shape} in {splits} parts"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_fused_equals_unfused_over_shapes(rt: Runtime, op: str, dtype: torch.dtype) -> None:
+    check_shapes(rt, op, dtype, SHAPES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_partial_sums_as_the_residual(rt: Runtime, op: str, dtype: torch.dtype) -> None:
+    check_parts(rt, op, dtype, PARTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_several_rows_a_record(cuda_rt: Runtime, op: str, dtype: torch.dtype) -> None:
+    check_shapes(cuda_rt, op, dtype, RECORD_SHAPES)
+    check_parts(cuda_rt, op, dtype, RECORD_PARTS)
 
 
 @pytest.mark.parametrize("op", OPS)
