@@ -6,7 +6,7 @@ strided shapes, tiled tasks and every float dtype; plus the validation messages.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -35,12 +35,6 @@ RECORD_PARTS = [((512, 768), 4), ((512, 2048), 2), ((300, 1028), 2), ((512, 2048
 @pytest.fixture(scope="module")
 def rt(tiled_rt: Runtime) -> Runtime:
     return tiled_rt
-
-
-@pytest.fixture(scope="module")
-def cuda_rt() -> Iterator[Runtime]:
-    with Runtime("cuda") as runtime:
-        yield runtime
 
 
 def unfused(
@@ -130,12 +124,13 @@ def test_partial_sums_as_the_residual(rt: Runtime, op: str, dtype: torch.dtype) 
     check_parts(rt, op, dtype, PARTS)
 
 
-@pytest.mark.gpu
+# the module's CUDA runtime, the one the backend-generic tests use there
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=pytest.mark.gpu)], indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
-def test_several_rows_a_record(cuda_rt: Runtime, op: str, dtype: torch.dtype) -> None:
-    check_shapes(cuda_rt, op, dtype, RECORD_SHAPES)
-    check_parts(cuda_rt, op, dtype, RECORD_PARTS)
+def test_several_rows_a_record(rt: Runtime, op: str, dtype: torch.dtype) -> None:
+    check_shapes(rt, op, dtype, RECORD_SHAPES)
+    check_parts(rt, op, dtype, RECORD_PARTS)
 
 
 @pytest.mark.parametrize("op", OPS)
