@@ -1,16 +1,30 @@
 """`python -m gpuos_core.build`: compile every CUDA source and catalogue operator and link them into
 a worker image, one line per unit. Warms the JIT cache before a deployment, and shows in CI that
-everything builds on a machine without a GPU (NVRTC and nvJitLink need none)."""
+everything builds on a machine without a GPU (NVRTC and nvJitLink need none).
+
+Units compile in parallel processes, one a core by default: a serial build of the 53 units took
+233 s on a 2-core machine, past what a first deployment or CI should wait."""
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from .image import image_units
-from .jit import DEFAULT_ARCH, JitCache, compile_object, link_image, stats, supported_archs
+from .jit import (
+    DEFAULT_ARCH,
+    CompileSpec,
+    JitCache,
+    compile_object,
+    link_image,
+    stats,
+    supported_archs,
+)
 from .optable import OpVersion, catalogue_table
 from .runtime import local_arch
 
@@ -20,15 +34,26 @@ def catalogue_slots() -> tuple[OpVersion, ...]:
     return catalogue_table().slots()
 
 
-def build(arch: str, cache: JitCache) -> int:
-    """Compile and link the catalogue image for `arch`, printing each unit; returns image bytes."""
+def compile_unit(unit: CompileSpec, cache: JitCache) -> tuple[bytes, str, float]:
+    """`unit`'s object, whether the cache answered ("cached") or NVRTC ran ("compiled"), and ms."""
+    hits, started = stats.cache_hits, time.perf_counter()
+    data = compile_object(unit, cache)
+    how = "cached" if stats.cache_hits > hits else "compiled"
+    return data, how, 1e3 * (time.perf_counter() - started)
+
+
+def build(arch: str, cache: JitCache, jobs: int) -> int:
+    """Compile (`jobs` processes) and link the catalogue image for `arch`, printing each unit in
+    image order; returns image bytes."""
+    units = list(image_units(catalogue_slots(), arch))
     objects = []
-    for unit in image_units(catalogue_slots(), arch):
-        hits, started = stats.cache_hits, time.perf_counter()
-        objects.append((unit.name, compile_object(unit, cache)))
-        how = "cached" if stats.cache_hits > hits else "compiled"
-        ms = 1e3 * (time.perf_counter() - started)
-        print(f"{arch}  {unit.name:<34} {how:<8} {len(objects[-1][1]):>8} B  {ms:7.1f} ms")
+    # spawn, not fork: the parent may hold a CUDA context (local_arch) and torch's threads.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        done = pool.map(compile_unit, units, [cache] * len(units))
+        for unit, (data, how, ms) in zip(units, done, strict=True):
+            objects.append((unit.name, data))
+            print(f"{arch}  {unit.name:<34} {how:<8} {len(data):>8} B  {ms:7.1f} ms", flush=True)
     started = time.perf_counter()
     image = link_image(objects, arch)
     print(
@@ -47,10 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         help=f"target (repeatable; default: this machine's GPU's, else {DEFAULT_ARCH})",
     )
     parser.add_argument("--cache-dir", type=Path, help="JIT cache (default ~/.cache/gpuos/jit)")
+    cores = len(os.sched_getaffinity(0))
+    parser.add_argument(
+        "--jobs", type=int, default=cores, help=f"compiling processes (default {cores}, the cores)"
+    )
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs takes a count of at least 1")
     cache = JitCache(args.cache_dir)
     for arch in args.arch or [local_arch() or DEFAULT_ARCH]:
-        build(arch, cache)
+        build(arch, cache, args.jobs)
     return 0
 
 

@@ -1,8 +1,8 @@
 """`gpuos-serve`: build the CUDA image, run a benchmark, or start the Serve app.
 
-    gpuos-serve build [--arch sm_86] [--cache-dir DIR]  # compile and link every unit (no GPU)
-    gpuos-serve bench micro [--quick] [--out DIR]        # bench/<name>.py, arguments passed on
-    gpuos-serve serve [CONFIG] [serve run options]       # `serve run` (default: llm.yaml)
+    gpuos-serve build [--arch sm_86] [--jobs N]    # compile and link every unit (no GPU)
+    gpuos-serve bench micro [--quick] [--out DIR]  # bench/<name>.py, arguments passed on
+    gpuos-serve serve [CONFIG] [serve run options] # `serve run` (default: llm.yaml)
 
 `bench` and `serve` hand the process over (exec) to the script or to Ray's command line, so
 signals, exit status and output are theirs. Installed, the scripts and configs come from the

@@ -38,8 +38,10 @@ OWN = ("gpuos_serve", "__editable__")  # site-packages entries of the editable i
 
 def run(*command: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
     """Run a command; its stdout, or a failure showing its output."""
+    # The limit catches a hang, not slowness: the cold build of every unit takes 2-4 minutes on
+    # CI's two cores.
     done = subprocess.run(
-        [str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+        [str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
