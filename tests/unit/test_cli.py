@@ -64,3 +64,10 @@ def test_build_takes_its_own_options(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit) as exited:
         cli.main(["build", "--help"])
     assert exited.value.code == 0 and "--arch" in capsys.readouterr().out
+
+
+def test_build_refuses_a_job_count_below_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["build", "--jobs", "0"])
+    assert exited.value.code == 2
+    assert "--jobs takes a count of at least 1" in capsys.readouterr().err

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_jit import ARCHS
 
-from gpuos_core.build import catalogue_slots, main as build_main
+from gpuos_core.build import catalogue_slots
 from gpuos_core.catalogue import CATALOGUE, expression_spec, new_version
 from gpuos_core.image import build_image, jump_table_source
 from gpuos_core.jit import JitCache
@@ -64,12 +64,3 @@ def test_a_traced_image_carries_the_trace_tables(cache: JitCache) -> None:
     tables = ["gpuos_trace", "gpuos_trace_marks", "gpuos_trace_ticket"]
     assert_linked_image(build_image(slots, "sm_90", cache, trace=True).binary, tables)
     assert b"gpuos_trace" not in build_image(slots, "sm_90", cache).binary
-
-
-def test_the_build_command_refuses_a_job_count_below_one(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        build_main(["--jobs", "0"])
-    assert exit_.value.code == 2
-    assert "--jobs takes a count of at least 1" in capsys.readouterr().err
