@@ -26,8 +26,10 @@ with one numpy scatter, keeping the edges and the event plan.
 
 from __future__ import annotations
 
+import bisect
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -231,11 +233,35 @@ def _meets(lo: int, hi: int, s: Span) -> bool:
     return lo < s[2] and s[1] < hi
 
 
-@dataclass
-class _Access:
-    lo: int
-    hi: int
-    task: int
+class _Ranges:
+    """Byte ranges [lo, hi) of one storage and the task of each, sorted by lo, and the widest
+    range's length: the ranges that meet [a, b) start in (a - widest, b), a bisect away. (A
+    program's activations share one arena storage; scanning all its ranges at every access
+    made data_flow quadratic in the tasks.)"""
+
+    def __init__(self) -> None:
+        self._los: list[int] = []
+        self._ranges: list[tuple[int, int, int]] = []  # (lo, hi, task), as _los
+        self._widest = 0  # never shrinks: an upper bound is all `meeting` needs
+
+    def meeting(self, s: Span) -> Iterator[int]:
+        """Tasks of the ranges that meet span `s`."""
+        first = bisect.bisect_right(self._los, s[1] - self._widest)
+        end = bisect.bisect_left(self._los, s[2])
+        return (task for _, hi, task in self._ranges[first:end] if hi > s[1])
+
+    def drop_within(self, s: Span) -> None:
+        """Forget the ranges inside span `s`."""
+        first, end = bisect.bisect_left(self._los, s[1]), bisect.bisect_left(self._los, s[2])
+        kept = [r for r in self._ranges[first:end] if r[1] > s[2]]
+        self._ranges[first:end] = kept
+        self._los[first:end] = [r[0] for r in kept]
+
+    def add(self, s: Span, task: int) -> None:
+        at = bisect.bisect_right(self._los, s[1])
+        self._los.insert(at, s[1])
+        self._ranges.insert(at, (s[1], s[2], task))
+        self._widest = max(self._widest, s[2] - s[1])
 
 
 class _Accesses:
@@ -245,22 +271,21 @@ class _Accesses:
     write, which already depends on it)."""
 
     def __init__(self) -> None:
-        self._reads: dict[int, list[_Access]] = {}
-        self._writes: dict[int, list[_Access]] = {}
+        self._reads: defaultdict[int, _Ranges] = defaultdict(_Ranges)
+        self._writes: defaultdict[int, _Ranges] = defaultdict(_Ranges)
 
     def conflicts(self, s: Span, write: bool) -> set[int]:
         """Tasks whose accesses conflict with reading (or writing) span `s`."""
-        found = [*self._writes.get(s[0], ()), *(self._reads.get(s[0], ()) if write else ())]
-        return {a.task for a in found if _meets(a.lo, a.hi, s)}
+        found = set(self._writes[s[0]].meeting(s))
+        if write:
+            found.update(self._reads[s[0]].meeting(s))
+        return found
 
     def record(self, s: Span, task: int, write: bool) -> None:
         if write:
-            for kind in (self._reads, self._writes):
-                if s[0] in kind:
-                    kind[s[0]] = [a for a in kind[s[0]] if not (s[1] <= a.lo and a.hi <= s[2])]
-        (self._writes if write else self._reads).setdefault(s[0], []).append(
-            _Access(s[1], s[2], task)
-        )
+            self._reads[s[0]].drop_within(s)
+            self._writes[s[0]].drop_within(s)
+        (self._writes if write else self._reads)[s[0]].add(s, task)
 
 
 def data_flow(tasks: Sequence[Prepared]) -> tuple[list[set[int]], list[int]]:

@@ -243,6 +243,25 @@ def test_edges_follow_data_flow_and_drop_implied_ones() -> None:
         torch.testing.assert_close(a, -x)  # the overwrite ran after every reader of a
 
 
+def test_edges_of_ranges_of_many_widths_in_one_storage() -> None:
+    """Views of one buffer, as a program's activations share an arena: a read meets a wide
+    write far from where that write starts, and a write that covers earlier accesses leaves
+    later readers depending on it alone."""
+    with Runtime("cpu") as rt:
+        buf, x = torch.zeros(1000), torch.randn(1000)
+        build = rt.program()
+        build.add(OpCall("relu", (x,), out=buf))  # 0: writes all of buf
+        build.add(OpCall("neg", (x[10:20],), out=buf[10:20]))  # 1: after 0
+        build.add(OpCall("sigmoid", (buf[500:510],)))  # 2: meets 0 only
+        build.add(OpCall("relu", (buf[15:18],)))  # 3: meets 0 and 1; 0 implied
+        build.add(OpCall("neg", (x,), out=buf))  # 4: after the readers 2 and 3
+        last = build.add(OpCall("tanh", (buf[990:],)))  # 5: 4 covered 0 and 1
+        program = build.build()
+        assert program.deps == ((), (0,), (0,), (1,), (2, 3), (4,))
+        rt.submit(program).wait(10)
+        torch.testing.assert_close(last, torch.tanh(-x[990:]))
+
+
 def test_the_records_writing_a_tensor_are_those_of_its_last_writers() -> None:
     """A step plans a projection's splits around the blocks its input's producers hold: the
     records of the tasks last added that write it (a step's lanes, each a part of one output),
