@@ -14,7 +14,10 @@
  * warp, a multiple of 4): a thread loads its chunks of 4 of x, y and the parameters in one round
  * trip and keeps r in registers. Otherwise pass 1 loads x and y together, stores r into x and
  * sums it, and the remaining passes re-read r from x; each element is stored and re-read by the
- * same thread, so no barrier orders them. */
+ * same thread, so no barrier orders them.
+ * Trace marks (bench/step_trace.py): 0 a row's sum, 1 its scale (the record's last row's); on the
+ * fast path also 2 the parameters loaded, 3 the wait over, and 4-7 the end of thread 0's first,
+ * second, third and last rows (a Llama-3.2-1B prefill record's four rows of 2,048: 4, 5, 6, 7). */
 #pragma once
 
 #include "ops/rows.cuh" /* found through -I<repo>/cuda */
@@ -176,12 +179,21 @@ __device__ __forceinline__ void gpuos_addnorm_fast_rows(const GpuosTask* t, int6
   GpuosAddNormParams<G> p;
   if (early) {
     gpuos_addnorm_params<RMS, G>(t, n, p);
+    GPUOS_MARK(2);
     gpuos_await(t);
+    GPUOS_MARK(3);
   } else {
     gpuos_norm_warm_await<2>(t);
+    GPUOS_MARK(3);
     gpuos_addnorm_params<RMS, G>(t, n, p);
+    GPUOS_MARK(2);
   }
-  gpuos_each_row<G>(t, [&](int64_t r) { gpuos_addnorm_fast_row<RMS, MAXP, G>(t, r, n, p); });
+  int row = 0; /* this thread's rows so far, for the marks (past three: the last) */
+  gpuos_each_row<G>(t, [&](int64_t r) {
+    gpuos_addnorm_fast_row<RMS, MAXP, G>(t, r, n, p);
+    GPUOS_MARK(4 + row);
+    row += row < 3;
+  });
 }
 
 /* The fast path with group G when the task allows it (y's parts decide MAXP); false otherwise,
