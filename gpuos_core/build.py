@@ -47,7 +47,7 @@ def build(arch: str, cache: JitCache, jobs: int) -> int:
     image order; returns image bytes."""
     units = list(image_units(catalogue_slots(), arch))
     objects = []
-    # spawn, not fork: the parent may hold a CUDA context (local_arch) and torch's threads.
+    # spawn, not fork: the parent has initialized CUDA (local_arch) and may run torch's threads.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
         done = pool.map(compile_unit, units, [cache] * len(units))
