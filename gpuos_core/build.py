@@ -42,10 +42,11 @@ def compile_unit(unit: CompileSpec, cache: JitCache) -> tuple[bytes, str, float]
     return data, how, 1e3 * (time.perf_counter() - started)
 
 
-def build(arch: str, cache: JitCache, jobs: int) -> int:
-    """Compile (`jobs` processes) and link the catalogue image for `arch`, printing each unit in
-    image order; returns image bytes."""
-    units = list(image_units(catalogue_slots(), arch))
+def build(arch: str, cache: JitCache, jobs: int, trace: bool = False) -> int:
+    """Compile (`jobs` processes) and link the catalogue image for `arch` (its traced units when
+    `trace`), printing each unit in image order; returns image bytes."""
+    units = list(image_units(catalogue_slots(), arch, trace))
+    label = f"{arch} traced" if trace else arch  # what each line starts with
     objects = []
     # spawn, not fork: the parent has initialized CUDA (local_arch) and may run torch's threads.
     context = multiprocessing.get_context("spawn")
@@ -53,11 +54,11 @@ def build(arch: str, cache: JitCache, jobs: int) -> int:
         done = pool.map(compile_unit, units, [cache] * len(units))
         for unit, (data, how, ms) in zip(units, done, strict=True):
             objects.append((unit.name, data))
-            print(f"{arch}  {unit.name:<34} {how:<8} {len(data):>8} B  {ms:7.1f} ms", flush=True)
+            print(f"{label}  {unit.name:<34} {how:<8} {len(data):>8} B  {ms:7.1f} ms", flush=True)
     started = time.perf_counter()
     image = link_image(objects, arch)
     print(
-        f"{arch}  linked image of {len(objects)} units: {len(image)} B in "
+        f"{label}  linked image of {len(objects)} units: {len(image)} B in "
         f"{1e3 * (time.perf_counter() - started):.1f} ms"
     )
     return len(image)
@@ -76,12 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--jobs", type=int, default=cores, help=f"compiling processes (default {cores}, the cores)"
     )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="the traced units instead (CudaConfig(trace=True): what bench/step_trace.py runs)",
+    )
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs takes a count of at least 1")
     cache = JitCache(args.cache_dir)
     for arch in args.arch or [local_arch() or DEFAULT_ARCH]:
-        build(arch, cache, args.jobs)
+        build(arch, cache, args.jobs, args.trace)
     return 0
 
 

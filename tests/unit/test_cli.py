@@ -63,7 +63,8 @@ def test_serve_runs_serve_run_on_a_config(
 def test_build_takes_its_own_options(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         cli.main(["build", "--help"])
-    assert exited.value.code == 0 and "--arch" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert exited.value.code == 0 and all(o in out for o in ("--arch", "--jobs", "--trace"))
 
 
 def test_build_refuses_a_job_count_below_one(capsys: pytest.CaptureFixture[str]) -> None:
