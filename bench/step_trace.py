@@ -5,10 +5,6 @@ in turn), read as stages (a task's records) along the program's critical path. N
     python3 bench/step_trace.py --out bench/results [--shape gpt2] [--rows 1 64] [--reps 30]
         [--max-len 128] [--steps N] [--prefill PROMPTS TOKENS] [--raw DIR]
 
-The traced worker is an image of its own (every unit compiled with GPUOS_TRACE): `python3 -m
-gpuos_core.build --trace` first compiles it on every core, where the first traced run would
-compile it unit by unit (over two minutes on the H200's host).
-
 Per program: the median wall time of a run (submit to completion, traced worker), then along the
 critical path of its last run (walking back from the last record to finish, each time to the
 producer that finished last): per stage, its edge (its first record's waits met, after its latest

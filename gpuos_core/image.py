@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from tqdm import tqdm
 
-from .jit import DEFAULT_ARCH, CompileSpec, JitCache, compile_object, link_image
+from .jit import DEFAULT_ARCH, CompileSpec, JitCache, compile_object, compile_objects, link_image
 from .optable import OpVersion
 from .paths import CUDA_DIR
 
@@ -98,14 +98,16 @@ def build_image(
     """Link the worker, every version in `slots` and their jump table into one cubin."""
     started = time.perf_counter()
     # A bar only when compiling takes a while (a replica's first start, not cache hits or swaps).
-    units = tqdm(
-        image_units(slots, arch, trace),
+    units = image_units(slots, arch, trace)
+    done = tqdm(
+        compile_objects(units, cache),
         desc="gpuos: compiling operators",
+        total=len(units),
         unit="unit",
         delay=2.0,
         leave=False,
     )
-    objects = [(u.name, compile_object(u, cache)) for u in units]
+    objects = [(c.spec.name, c.data) for c in done]
     compiled = time.perf_counter()
     binary = link_image(objects, arch)
     return ImageBuild(binary, 1e3 * (compiled - started), 1e3 * (time.perf_counter() - compiled))

@@ -64,7 +64,7 @@ def test_build_takes_its_own_options(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit) as exited:
         cli.main(["build", "--help"])
     out = capsys.readouterr().out
-    assert exited.value.code == 0 and all(o in out for o in ("--arch", "--jobs", "--trace"))
+    assert exited.value.code == 0 and all(o in out for o in ("--arch", "--jobs"))
 
 
 def test_build_refuses_a_job_count_below_one(capsys: pytest.CaptureFixture[str]) -> None:

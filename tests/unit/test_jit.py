@@ -16,6 +16,7 @@ from gpuos_core.jit import (
     CompileSpec,
     JitCache,
     compile_object,
+    compile_objects,
     device_arch,
     link_image,
     supported_archs,
@@ -152,6 +153,26 @@ def test_syntax_error_raises_compile_error_with_the_nvrtc_log(cache: JitCache) -
     assert "gpuos_test_broken" in str(raised.value) and "sm_90" in str(raised.value)
     assert "gpuos_test_broken.cu(2): error" in raised.value.log
     assert cache.try_load(spec) is None, "a failed compile must not be cached"
+
+
+def test_many_units_compile_side_by_side_in_order_and_say_which_were_cached(
+    cache: JitCache,
+) -> None:
+    units = [dataclasses.replace(SQUARE, arch=arch) for arch in ARCHS[:4]] + [KERNEL]
+    compile_object(units[1], cache)
+    compiles = jit.stats.compiles
+    done = list(compile_objects(units, cache, jobs=2))
+    assert [c.spec for c in done] == units
+    assert [c.cached for c in done] == [False, True, False, False, False]
+    assert jit.stats.compiles == compiles + 4  # the cached one not compiled again
+    assert all(c.data == compile_object(c.spec, cache) for c in done)
+
+
+def test_the_first_failing_unit_of_many_raises_its_compile_error(cache: JitCache) -> None:
+    broken = CompileSpec("gpuos_test_broken", 'extern "C" __device__ int f() { return }\n')
+    with pytest.raises(CompileError) as raised:
+        list(compile_objects([SQUARE, broken, KERNEL], cache, jobs=2))
+    assert "gpuos_test_broken" in str(raised.value)
 
 
 def test_unresolved_extern_raises_link_error_naming_the_symbol() -> None:
