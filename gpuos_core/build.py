@@ -7,13 +7,12 @@ Units compile on a thread a core by default (jit.compile_objects)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 from .image import image_units
-from .jit import DEFAULT_ARCH, JitCache, compile_objects, link_image, supported_archs
+from .jit import DEFAULT_ARCH, JitCache, compile_objects, cores, link_image, supported_archs
 from .optable import OpVersion, catalogue_table
 from .runtime import local_arch
 
@@ -49,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"target (repeatable; default: this machine's GPU's, else {DEFAULT_ARCH})",
     )
     parser.add_argument("--cache-dir", type=Path, help="JIT cache (default ~/.cache/gpuos/jit)")
-    cores = len(os.sched_getaffinity(0))
+    here = cores()
     parser.add_argument(
-        "--jobs", type=int, default=cores, help=f"compiling threads (default {cores}, the cores)"
+        "--jobs", type=int, default=here, help=f"compiling threads (default {here}, the cores)"
     )
     args = parser.parse_args(argv)
     if args.jobs < 1:

@@ -217,12 +217,19 @@ def compile_objects(
     (default: this process's cores). NVRTC lets the GIL go, so the units of an image compile side
     by side: the catalogue's 53 took 233 s one after another on a 2-core machine. The first
     CompileError, in order, is raised when its unit is reached."""
-    workers = jobs or len(os.sched_getaffinity(0))
+    workers = jobs or cores()
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpuos-nvrtc")
     try:
         yield from pool.map(lambda spec: _object(spec, cache), specs)
     finally:  # after an error, or a caller that stops early: no unit compiled for nothing
         pool.shutdown(cancel_futures=True)
+
+
+def cores() -> int:
+    """The cores this process may run on (all of the machine's where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _object(spec: CompileSpec, cache: JitCache | None) -> Compiled:
