@@ -234,33 +234,29 @@ def _meets(lo: int, hi: int, s: Span) -> bool:
 
 
 class _Ranges:
-    """Byte ranges [lo, hi) of one storage and the task of each, sorted by lo, and the widest
-    range's length: the ranges that meet [a, b) start in (a - widest, b), a bisect away. (A
-    program's activations share one arena storage; scanning all its ranges at every access
-    made data_flow quadratic in the tasks.)"""
+    """Byte ranges (lo, hi, task) of one storage, sorted, and the widest range's length: the
+    ranges that meet [a, b) start in (a - widest, b), a bisect away (a 1-tuple (x,) sorts before
+    every range that starts at x). (A program's activations share one arena storage; scanning
+    all its ranges at every access made data_flow quadratic in the tasks.)"""
 
     def __init__(self) -> None:
-        self._los: list[int] = []
-        self._ranges: list[tuple[int, int, int]] = []  # (lo, hi, task), as _los
+        self._ranges: list[tuple[int, int, int]] = []
         self._widest = 0  # never shrinks: an upper bound is all `meeting` needs
 
     def meeting(self, s: Span) -> Iterator[int]:
         """Tasks of the ranges that meet span `s`."""
-        first = bisect.bisect_right(self._los, s[1] - self._widest)
-        end = bisect.bisect_left(self._los, s[2])
+        first = bisect.bisect_left(self._ranges, (s[1] - self._widest + 1,))
+        end = bisect.bisect_left(self._ranges, (s[2],))
         return (task for _, hi, task in self._ranges[first:end] if hi > s[1])
 
     def drop_within(self, s: Span) -> None:
         """Forget the ranges inside span `s`."""
-        first, end = bisect.bisect_left(self._los, s[1]), bisect.bisect_left(self._los, s[2])
-        kept = [r for r in self._ranges[first:end] if r[1] > s[2]]
-        self._ranges[first:end] = kept
-        self._los[first:end] = [r[0] for r in kept]
+        first = bisect.bisect_left(self._ranges, (s[1],))
+        end = bisect.bisect_left(self._ranges, (s[2],))
+        self._ranges[first:end] = [r for r in self._ranges[first:end] if r[1] > s[2]]
 
     def add(self, s: Span, task: int) -> None:
-        at = bisect.bisect_right(self._los, s[1])
-        self._los.insert(at, s[1])
-        self._ranges.insert(at, (s[1], s[2], task))
+        bisect.insort(self._ranges, (s[1], s[2], task))
         self._widest = max(self._widest, s[2] - s[1])
 
 

@@ -188,11 +188,11 @@ __device__ __forceinline__ void gpuos_addnorm_fast_rows(const GpuosTask* t, int6
     gpuos_addnorm_params<RMS, G>(t, n, p);
     GPUOS_MARK(2);
   }
-  int row = 0; /* this thread's rows so far, for the marks (past three: the last) */
   gpuos_each_row<G>(t, [&](int64_t r) {
     gpuos_addnorm_fast_row<RMS, MAXP, G>(t, r, n, p);
-    GPUOS_MARK(4 + row);
-    row += row < 3;
+    /* thread 0's k-th row: its group's rows are G::count() apart (past the third: the last) */
+    const int64_t k = (r - t->range_begin) / G::count();
+    GPUOS_MARK(4 + static_cast<int>(k < 3 ? k : 3));
   });
 }
 
