@@ -108,15 +108,14 @@ __device__ __forceinline__ void gpuos_addnorm_params(const GpuosTask* t, int64_t
 }
 
 /* Row r (n elements) on the fast path, in one round trip: each thread loads its chunks of x and
- * y (all its parts) together, keeps the sums in registers and stores x and out once. MAXP: y's
- * parts at most (1: y is one tensor). */
-template <bool RMS, int MAXP, class G>
+ * y (all its parts) together, keeps the sums in registers and stores x and out once. PARTS: y's
+ * parts, exactly (1: y is one tensor, or one part). */
+template <bool RMS, int PARTS, class G>
 __device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64_t r, int64_t n,
                                                        const GpuosAddNormParams<G>& p) {
   constexpr int VEC = GpuosAddNormVec<G>::value;
   const GpuosTensorRef &x = t->in[0], &y = t->in[1];
-  const int count = MAXP > 1 ? static_cast<int>(y.sizes[0]) : 1;
-  const int64_t split = MAXP > 1 ? gpuos_step(y, 0) : 0;
+  const int64_t split = PARTS > 1 ? gpuos_step(y, 0) : 0;
   const int64_t row = r * n;
   float v[VEC][4], sum[VEC][4];
 #pragma unroll
@@ -124,7 +123,7 @@ __device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64
     const int64_t j = gpuos_addnorm_chunk<G>(i);
     if (j >= n) continue;
     gpuos_load4(x, row + j, v[i]);
-    gpuos_addnorm_parts<MAXP>(gpuos_ptr(y, row + j), split, count, y.dtype, sum[i]);
+    gpuos_addnorm_parts<PARTS>(gpuos_ptr(y, row + j), split, PARTS, y.dtype, sum[i]);
   }
   float s = 0.0f;
 #pragma unroll
@@ -171,7 +170,7 @@ __device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64
  * are loaded before the wait: they are cold when their layer comes, and loaded after it they
  * cost a trip to memory and a TLB walk on the critical path; else they are prefetched before
  * it and loaded after. */
-template <bool RMS, int MAXP, class G>
+template <bool RMS, int PARTS, class G>
 __device__ __forceinline__ void gpuos_addnorm_fast_rows(const GpuosTask* t, int64_t n) {
   bool early = true;
   GPUOS_ROLLED
@@ -189,26 +188,33 @@ __device__ __forceinline__ void gpuos_addnorm_fast_rows(const GpuosTask* t, int6
     GPUOS_MARK(2);
   }
   gpuos_each_row<G>(t, [&](int64_t r) {
-    gpuos_addnorm_fast_row<RMS, MAXP, G>(t, r, n, p);
+    gpuos_addnorm_fast_row<RMS, PARTS, G>(t, r, n, p);
     /* thread 0's k-th row: its group's rows are G::count() apart (past the third: the last) */
     const int64_t k = (r - t->range_begin) / G::count();
     GPUOS_MARK(4 + static_cast<int>(k < 3 ? k : 3));
   });
 }
 
-/* The fast path with group G when the task allows it (y's parts decide MAXP); false otherwise,
- * having done nothing. */
+/* The fast path's rows of y in `parts` parts: each count its own instantiation, which loads
+ * exactly its parts. (Rounded up to 4 or 6, the missing parts' loads read part 0 again: as many
+ * bytes from L2 as a part, since they bypass L1, and 3 of 4 of a GPT-2 prefill row's y.) */
+template <bool RMS, class G, int PARTS = GPUOS_ADDNORM_MAX_PARTS>
+__device__ __forceinline__ void gpuos_addnorm_fast_parts(const GpuosTask* t, int64_t n, int parts) {
+  if constexpr (PARTS > 1) {
+    if (parts < PARTS) {
+      gpuos_addnorm_fast_parts<RMS, G, PARTS - 1>(t, n, parts);
+      return;
+    }
+  }
+  gpuos_addnorm_fast_rows<RMS, PARTS, G>(t, n);
+}
+
+/* The fast path with group G when the task allows it; false otherwise, having done nothing. */
 template <bool RMS, class G>
 __device__ __forceinline__ bool gpuos_addnorm_try_fast(const GpuosTask* t, int64_t n) {
   if (!gpuos_addnorm_fast<G>(t, n)) return false;
   const GpuosTensorRef &x = t->in[0], &y = t->in[1];
-  if (y.ndim == x.ndim) {
-    gpuos_addnorm_fast_rows<RMS, 1, G>(t, n);
-  } else if (y.sizes[0] <= 4) {
-    gpuos_addnorm_fast_rows<RMS, 4, G>(t, n);
-  } else {
-    gpuos_addnorm_fast_rows<RMS, GPUOS_ADDNORM_MAX_PARTS, G>(t, n);
-  }
+  gpuos_addnorm_fast_parts<RMS, G>(t, n, y.ndim == x.ndim ? 1 : static_cast<int>(y.sizes[0]));
   return true;
 }
 
