@@ -54,7 +54,8 @@ __device__ __forceinline__ bool gpuos_addnorm_fast(const GpuosTask* t, int64_t n
 /* y's W (1 or 4) contiguous elements at byte address `p`, the sum of its `count` <= MAXP parts
  * `split` bytes apart in split order. Branch-free, so that all the loads are in flight together:
  * past the parts, part 0 is loaded again and not added (a branch a part had ptxas reuse one
- * register for every part, a round trip each). */
+ * register for every part, a round trip each). The fast path passes count == MAXP
+ * (gpuos_addnorm_fast_parts), so only the passes of any layout load a part twice. */
 template <int MAXP, int W>
 __device__ __forceinline__ void gpuos_addnorm_parts(const char* p, int64_t split, int count,
                                                     int dtype, float (&v)[W]) {
