@@ -191,6 +191,8 @@ def _builtin() -> dict[str, OpSpec]:
         _fixed("sum", "sum", 1, 1),
         _fixed("mean", "mean", 1, 1),
         _fixed("rotary", "rotary", 4, 3),  # [, positions]
+        # linear_parts' sums rotated up to row `rotated` of dim -2 (q, k heads), then only summed
+        _fixed("rotary_parts", "rotary_parts", 4, 3, P("rotated")),
         # [, lengths[, new_k, new_v]]
         _fixed("attention_decode", "attention_decode", 6, 3, P("scale")),
         _fixed("scatter_rows", "scatter_rows", 2, 2),

@@ -358,45 +358,72 @@ class ReduceFamily(Family):
 class RotaryFamily(Family):
     """Rotary embedding, rotate-half form, over rows of even length D with cos/sin of length D/2:
     broadcast to the rows, or tables [P, D/2] whose row positions[r] (int32, clamped into
-    [0, P - 1]) row r uses."""
+    [0, P - 1]) row r uses.
 
-    name, header, macro = "rotary", "ops/rotary.cuh", "GPUOS_DEFINE_ROTARY"
-    rows_are_items = True
+    `parts` (rotary_parts): input 0 is [S, *out.shape], the S partial sums of a linear_parts
+    viewed as rows of heads [..., H, D], and out holds their sum in split order (fp32), rotated
+    where the row's index along dim -2 of out is below the scalar `rotated` (every row when it
+    is left out) and only summed from there on: an attention's fused q, k, v projection, its q
+    and k heads rotated and its v heads passed on, in one stage, with no combine of the
+    projection's splits."""
+
+    header, rows_are_items = "ops/rotary.cuh", True
     index_inputs = {3: "positions"}
+
+    def __init__(self, parts: bool = False) -> None:
+        self.parts = parts
+        self.name = "rotary_parts" if parts else "rotary"
+        self.macro = "GPUOS_DEFINE_" + self.name.upper()
 
     def layout(self, inputs: Tensors, dims: tuple[int, ...] | None, keepdim: bool) -> Layout:
         x, cos, sin = inputs[:3]
-        _check_ndim(x.shape, "rotary input 0", least=1)
-        if x.shape[-1] % 2:
+        _check_ndim(x.shape, f"{self.name} input 0", least=2 if self.parts else 1)
+        if self.parts and not 1 <= x.shape[0] <= LINEAR_MAX_PARTS:
             raise TensorSpecError(
-                f"rotary: the last dim of input 0 must be even, got {tuple(x.shape)}"
+                f"rotary_parts: input 0 must be [S, ..., D], the S partial sums of a "
+                f"linear_parts with 1 <= S <= {LINEAR_MAX_PARTS}, got {tuple(x.shape)}"
             )
-        lead, h = tuple(x.shape[:-1]), x.shape[-1] // 2
+        shape = tuple(x.shape[1:]) if self.parts else tuple(x.shape)
+        if shape[-1] % 2:
+            raise TensorSpecError(
+                f"{self.name}: the last dim of input 0 must be even, got {tuple(x.shape)}"
+            )
+        lead, h = shape[:-1], shape[-1] // 2
         views: tuple[torch.Tensor, ...]
         if len(inputs) > 3:
             if cos.dim() != 2 or cos.shape[0] < 1 or cos.shape[1] != h or sin.shape != cos.shape:
                 raise TensorSpecError(
-                    f"rotary with positions: cos and sin must be tables [P, {h}] with P >= 1, got "
-                    f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+                    f"{self.name} with positions: cos and sin must be tables [P, {h}] with "
+                    f"P >= 1, got {tuple(cos.shape)} and {tuple(sin.shape)}"
                 )
-            views = (x, cos, sin, _index(inputs[3], lead, "rotary positions"))
+            views = (x, cos, sin, _index(inputs[3], lead, f"{self.name} positions"))
         else:
             half = lead + (h,)
             for name, t in (("cos", cos), ("sin", sin)):
-                if _broadcast([t.shape, half], f"rotary {name}") != half:
+                if _broadcast([t.shape, half], f"{self.name} {name}") != half:
                     raise TensorSpecError(
-                        f"rotary: {name} {tuple(t.shape)} must broadcast to {half}"
+                        f"{self.name}: {name} {tuple(t.shape)} must broadcast to {half}"
                     )
             views = (x, cos.expand(half), sin.expand(half))
-        return Layout(views, tuple(x.shape), tuple(x.shape), _rows(x.shape))
+        return Layout(views, shape, shape, _rows(shape))
+
+    def derived_scalar(self, name: str, inputs: Tensors) -> float | None:
+        """`rotated` left out: every row (more than any index along dim -2)."""
+        return float(inputs[0].shape[-2]) if name == "rotated" else None
 
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
         x, c, s = xs[:3]
+        if self.parts:
+            x = _residual(x[0], x)
         if len(xs) > 3:  # each row's table row, clamped as the kernel does
             at = xs[3].long().clamp(0, c.shape[0] - 1)
             c, s = c[at], s[at]
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        if self.parts and x.dim() > 1 and p.scalars[0] < x.shape[-2]:
+            kept = max(0, math.ceil(p.scalars[0]))  # rows from this index on are only summed
+            out[..., kept:, :] = x[..., kept:, :]
+        return out
 
 
 class AttentionFamily(Family):
@@ -731,8 +758,8 @@ LINEAR_KSTEP = 32  # k per step
 LINEAR_STEP_ALIGN = 8  # a split's steps come in multiples of this
 LINEAR_PART_ROWS = 16  # rows of a partial block are rounded up to this
 LINEAR_MAX_SPLITS = 64
-# linear_parts hands its consumer at most this many partial sums (addnorm.cuh's
-# GPUOS_ADDNORM_MAX_PARTS: the loads of an element's parts are issued together).
+# linear_parts hands its consumer at most this many partial sums (parts.cuh's GPUOS_MAX_PARTS:
+# the loads of an element's parts are issued together).
 LINEAR_MAX_PARTS = 6
 LINEAR_ITEM_COST = 4  # what starting an item costs, in steps of one tile (plan's cost model)
 # What a wide tile's step costs in the same steps: it reads twice the bytes (128 rows of W and of
@@ -1313,6 +1340,7 @@ _FAMILIES: tuple[Family, ...] = (
     ReduceFamily("sum", "GPUOS_DEFINE_SUM", mean=False),
     ReduceFamily("mean", "GPUOS_DEFINE_MEAN", mean=True),
     RotaryFamily(),
+    RotaryFamily(parts=True),
     AttentionFamily(),
     ScatterRowsFamily(),
     GatherRowsFamily(),

@@ -2,8 +2,8 @@
  *
  * Contract (host encoding): in = (x, y, weight?, bias?) with x and y of one shape [..., N]
  * (any strides; x has no two elements at one address, since it is written), or y of shape
- * [S, ..., N] with 1 <= S <= GPUOS_ADDNORM_MAX_PARTS: the S partial sums of a linear_parts
- * (linear.cuh), which stand for y = y[0] + y[1] + ... + y[S - 1], summed in that order in fp32;
+ * [S, ..., N] with 1 <= S <= GPUOS_MAX_PARTS: the S partial sums of a linear_parts (linear.cuh),
+ * which stand for y = y[0] + y[1] + ... + y[S - 1], summed in that order in fp32 (parts.cuh);
  * weight and bias 1-D [N]; out has x's shape; scalars[0] = eps. Rows are numbered row-major over
  * all dims but the last (of x); a task covers rows [range_begin, range_end). Per row, in one task:
  *   r = x + y, computed in fp32 and rounded to x's dtype;  x = r  (x is updated in place);
@@ -20,9 +20,8 @@
  * second, third and last rows (a Llama-3.2-1B prefill record's four rows of 2,048: 4, 5, 6, 7). */
 #pragma once
 
-#include "ops/rows.cuh" /* found through -I<repo>/cuda */
-
-#define GPUOS_ADDNORM_MAX_PARTS 6
+#include "ops/parts.cuh" /* found through -I<repo>/cuda */
+#include "ops/rows.cuh"
 
 /* 4-element chunks of a row a thread holds on the fast path with group G: 2, or 3 in a pair of
  * warps (a row of 768 on 64 threads). */
@@ -49,35 +48,6 @@ __device__ __forceinline__ bool gpuos_addnorm_fast(const GpuosTask* t, int64_t n
   for (int i = 0; i < t->num_inputs; ++i)
     ok = ok && gpuos_is_contiguous(t->in[i]) && gpuos_aligned4(t->in[i], 0);
   return ok;
-}
-
-/* y's W (1 or 4) contiguous elements at byte address `p`, the sum of its `count` <= MAXP parts
- * `split` bytes apart in split order. Branch-free, so that all the loads are in flight together:
- * past the parts, part 0 is loaded again and not added (a branch a part had ptxas reuse one
- * register for every part, a round trip each). The fast path passes count == MAXP
- * (gpuos_addnorm_fast_parts), so only the passes of any layout load a part twice. */
-template <int MAXP, int W>
-__device__ __forceinline__ void gpuos_addnorm_parts(const char* p, int64_t split, int count,
-                                                    int dtype, float (&v)[W]) {
-  static_assert(W == 1 || W == 4, "one element, or one vector load of 4");
-  float part[MAXP][W];
-#pragma unroll
-  for (int s = 0; s < MAXP; ++s) {
-    const char* at = p + (s < count ? s * split : 0);
-    if constexpr (W == 4) {
-      gpuos_load4_ptr(at, dtype, part[s]);
-    } else {
-      part[s][0] = gpuos_load_ptr(at, dtype);
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < W; ++e) {
-    v[e] = part[0][e];
-#pragma unroll
-    for (int s = 1; s < MAXP; ++s) {
-      if (s < count) v[e] += part[s][e];
-    }
-  }
 }
 
 /* Element offset in a row of a thread's chunk i (of 4 elements) on the fast path with group G. */
@@ -124,7 +94,7 @@ __device__ __forceinline__ void gpuos_addnorm_fast_row(const GpuosTask* t, int64
     const int64_t j = gpuos_addnorm_chunk<G>(i);
     if (j >= n) continue;
     gpuos_load4(x, row + j, v[i]);
-    gpuos_addnorm_parts<PARTS>(gpuos_ptr(y, row + j), split, PARTS, y.dtype, sum[i]);
+    gpuos_parts_load<PARTS>(gpuos_ptr(y, row + j), split, PARTS, y.dtype, sum[i]);
   }
   float s = 0.0f;
 #pragma unroll
@@ -199,7 +169,7 @@ __device__ __forceinline__ void gpuos_addnorm_fast_rows(const GpuosTask* t, int6
 /* The fast path's rows of y in `parts` parts: each count its own instantiation, which loads
  * exactly its parts. (Rounded up to 4 or 6, the missing parts' loads read part 0 again: as many
  * bytes from L2 as a part, since they bypass L1, and 3 of 4 of a GPT-2 prefill row's y.) */
-template <bool RMS, class G, int PARTS = GPUOS_ADDNORM_MAX_PARTS>
+template <bool RMS, class G, int PARTS = GPUOS_MAX_PARTS>
 __device__ __forceinline__ void gpuos_addnorm_fast_parts(const GpuosTask* t, int64_t n, int parts) {
   if constexpr (PARTS > 1) {
     if (parts < PARTS) {
@@ -221,39 +191,12 @@ __device__ __forceinline__ bool gpuos_addnorm_try_fast(const GpuosTask* t, int64
 
 /* ---- any layout: a row re-read from memory on each pass (rows.cuh) ------------------------ */
 
-/* One row of y given as S partial sums ([S, ..., N]): load(j) is their sum in split order
- * (gpuos_addnorm_parts); advance moves along the dims after the first. */
-struct GpuosParts {
-  char* p;       /* split 0's element 0 of the row */
-  int64_t step;  /* bytes between elements */
-  int64_t split; /* bytes between splits */
-  int count, dtype;
-  const GpuosTensorRef* ref;
-
-  __device__ static GpuosParts of(const GpuosTensorRef& y) {
-    GpuosParts parts;
-    parts.p = gpuos_data(y);
-    parts.step = gpuos_step(y, y.ndim - 1);
-    parts.split = gpuos_step(y, 0);
-    parts.count = static_cast<int>(y.sizes[0]);
-    parts.dtype = y.dtype;
-    parts.ref = &y;
-    return parts;
-  }
-  __device__ __forceinline__ float load(int64_t j) const {
-    float sum[1];
-    gpuos_addnorm_parts<GPUOS_ADDNORM_MAX_PARTS>(p + j * step, split, count, dtype, sum);
-    return sum[0];
-  }
-  __device__ __forceinline__ void advance(int d, int64_t i) { p += i * gpuos_step(*ref, d + 1); }
-};
-
 template <bool RMS>
 struct GpuosAddNormRow {
   template <class G>
   __device__ static void run(const GpuosTask* t, int64_t r) {
     if (t->in[1].ndim == t->in[0].ndim + 1) {
-      run_with<G>(t, r, GpuosParts::of(t->in[1]));
+      run_with<G>(t, r, GpuosParts<GPUOS_MAX_PARTS>::of(t->in[1]));
     } else {
       run_with<G>(t, r, gpuos_vector(t->in[1]));
     }

@@ -54,7 +54,7 @@ from gpuos_core.catalogue import CATALOGUE
 from gpuos_core.families import GATED, LinearPlan, gate_up, sm_count, wide_tiles
 from gpuos_core.optable import OpTable
 from gpuos_core.program import Arena, Program, ProgramBuilder
-from serving.llm.forward import Span, forward
+from serving.llm.forward import Span, forward, split_heads
 from serving.llm.model import KVPool, Linear, Model, ModelConfig, Norm
 
 IDLE = -1  # token, position and KV row of an idle row (gather_rows yields zeros, scatter skips)
@@ -441,15 +441,20 @@ class ProgramOps:
     def residual(
         self, x: torch.Tensor, h: torch.Tensor, linear: Linear, norm: Norm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # the projection's K splits are summed by the norm as it adds them: no combine stage;
-        # each lane's splits are a tensor of their own, as many as its share of the SMs keeps
-        # busy (GPT-2's down projection at 64 rows: 72 records a lane, planned for the whole
-        # worker, were claimed late; 48 a lane made the step 3.5% shorter). One lane plans
-        # for the blocks h's producers leave free (LinearPlan.choose's `free`). A producer
-        # that takes every block leaves the projection's records late whatever their count;
-        # so do lanes, whose other lane's stages hold blocks beside this one's producer
-        # (planned around both lanes' attention, the small Llama shape's 64-row step took 5%
-        # longer; s206).
+        # the projection's K splits are summed by the norm as it adds them: no combine stage
+        parts = self._parts(h, linear)
+        return x, self._normed("add_", norm, x, lambda r: (x[r], parts[r.start]))
+
+    def _parts(self, h: torch.Tensor, linear: Linear) -> dict[int, torch.Tensor]:
+        """`linear_parts` of each lane's rows of h, by the lane's first row: its K splits' sums
+        [S, rows, N] (fp32), for a consumer that sums them as it reads them. Each lane's splits
+        are a tensor of their own, as many as its share of the SMs keeps busy (GPT-2's down
+        projection at 64 rows: 72 records a lane, planned for the whole worker, were claimed
+        late; 48 a lane made the step 3.5% shorter). One lane plans for the blocks h's
+        producers leave free (LinearPlan.choose's `free`). A producer that takes every block
+        leaves the projection's records late whatever their count; so do lanes, whose other
+        lane's stages hold blocks beside this one's producer (planned around both lanes'
+        attention, the small Llama shape's 64-row step took 5% longer; s206)."""
         (n, k), weights = linear.weight.shape, self._weights(linear)
         share = self.sms // len(self.lanes)
         busy = self.build.records_writing(h) if len(self.lanes) == 1 else 0
@@ -460,7 +465,7 @@ class ProgramOps:
             splits = LinearPlan.choose(rows, n, k, share, True, free, wide).splits
             out = self.build.empty((splits, rows, n), torch.float32)
             parts[r.start] = self._add("linear_parts", h[r], *weights, out=out)
-        return x, self._normed("add_", norm, x, lambda r: (x[r], parts[r.start]))
+        return parts
 
     def _normed(
         self,
@@ -479,8 +484,35 @@ class ProgramOps:
             prefix + kind, lambda r: (*rows(r), *weights), out, eps=self.config.norm_eps
         )
 
-    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        return self._linear("linear", x, linear)
+    def qkv(
+        self, h: torch.Tensor, linear: Linear
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
+        if self.tables is None:
+            return split_heads(c, self._linear("linear", h, linear))
+        cos, sin = self.tables
+        at, width = self._input("positions")[:, None], c.heads + c.kv_heads
+        heads = width + c.kv_heads
+        if self.layout.groups:
+            # prefill rows: the projection whole, then q's and k's heads (its first `width`)
+            # rotated in place as one task (rotary on q, then on k, were a chain of two stages:
+            # their views' spans meet in the rows' storage). Summed from fp32 parts instead,
+            # 512 rows cost the rotary more than the combine it spared (H200, s277).
+            out = self._linear("linear", h, linear)
+            rotated = out.unflatten(-1, (heads, c.head_dim))[:, :width]
+            self._lanes("rotary", lambda r: (rotated[r], cos, sin, at[r]), rotated)
+            return split_heads(c, out)
+        # decode rows: the projection's K splits summed by the rotary as it reads them (its v
+        # heads only summed), so no combine, which took 3 of a Llama-3.2-1B QKV record's 8 us
+        # at one row: its step 3.4% shorter, 2% at 8 rows, the same at 64 (H200, s278)
+        parts, out = self._parts(h, linear), self._rows(linear.weight.shape[0], h.dtype)
+
+        def inputs(r: slice) -> tuple[torch.Tensor, ...]:
+            return parts[r.start].unflatten(-1, (heads, c.head_dim)), cos, sin, at[r]
+
+        rows = out.unflatten(-1, (heads, c.head_dim))
+        self._lanes("rotary_parts", inputs, rows, rotated=width)
+        return split_heads(c, out)
 
     def _linear(
         self, op: str, x: torch.Tensor, linear: Linear, pairs: bool = False
@@ -494,12 +526,6 @@ class ProgramOps:
     def _weights(params: Linear | Norm) -> tuple[torch.Tensor, ...]:
         """The weight, and the bias where there is one: the operators' trailing inputs."""
         return (params.weight,) if params.bias is None else (params.weight, params.bias)
-
-    def rotary(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.tables is not None, "rotary() of a model without rotary embeddings"
-        cos, sin = self.tables
-        at = self._input("positions")[:, None]
-        return self._lanes("rotary", lambda r: (x[r], cos, sin, at[r]), x)
 
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -587,7 +613,7 @@ class ProgramOps:
     def activated(self, x: torch.Tensor, linear: Linear, kind: str) -> torch.Tensor:
         if kind in self.fused:
             return self._linear(f"linear_{kind}", x, linear, pairs=kind == GATED)
-        h = self.linear(x, linear)
+        h = self._linear("linear", x, linear)
         if kind == GATED:
             gate, up = gate_up(h)
             return self._lanes(

@@ -1,10 +1,10 @@
 """The model's forward, written once over a small micro-op interface.
 
-`forward(model, ops)` reads as the model: embed and norm; per layer qkv → rotary → attention (which
-stores the rows' keys and values) → output projection + residual → norm → MLP (its down
-projection + residual → the next norm); then the final norm and the LM head. It knows nothing
-of where the rows run or how they are laid out: `ops` owns the step's rows (token ids,
-positions, KV slots) and the KV pool. Two implementations of `MicroOps`:
+`forward(model, ops)` reads as the model: embed and norm; per layer q, k, v (the fused projection,
+q and k rotated) → attention (which stores the rows' keys and values) → output projection +
+residual → norm → MLP (its down projection + residual → the next norm); then the final norm and
+the LM head. It knows nothing of where the rows run or how they are laid out: `ops` owns the
+step's rows (token ids, positions, KV slots) and the KV pool. Two implementations of `MicroOps`:
 - `TorchOps` (here): eager torch, the reference: `forward_tokens`, the engine's tests and its
   `micro_ops: torch` baseline;
 - `ProgramOps` (serving/llm/device_step.py): records the same calls into one device program.
@@ -49,11 +49,12 @@ class MicroOps(Protocol):
         """(x + linear(h), its norm): a residual branch's last projection added to the residual
         stream, and the norm that reads the sum; x may be updated in place."""
 
-    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        """x @ weight.T (+ bias)."""
-
-    def rotary(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, head_dim] rotated by each row's position; x may be updated in place."""
+    def qkv(
+        self, h: torch.Tensor, linear: Linear
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's q [N, heads, d], k and v [N, kv_heads, d] of normed rows h: the fused
+        projection (`split_heads`), q and k rotated by each row's position where the model has
+        rotary embeddings."""
 
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -74,9 +75,7 @@ def forward(model: Model, ops: MicroOps) -> torch.Tensor:
     c, w = model.config, model.weights
     x, h = ops.embed(w.embed, w.positions, w.layers[0].attn_norm)
     for i, layer in enumerate(w.layers):
-        q, k, v = split_heads(c, ops.linear(h, layer.qkv))
-        if c.rope_theta is not None:
-            q, k = ops.rotary(q), ops.rotary(k)
+        q, k, v = ops.qkv(h, layer.qkv)
         a = ops.attention(i, q, k, v)
         x, h = ops.residual(x, a.flatten(1), layer.o, layer.mlp_norm)
         g = ops.activated(h, layer.up, c.activation)
@@ -146,10 +145,17 @@ class TorchOps:
         s = x + linear(h)
         return s, self.norm(s, norm)
 
-    def linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        return linear(x)
+    def qkv(
+        self, h: torch.Tensor, linear: Linear
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = split_heads(self.config, linear(h))
+        if self.config.rope_theta is None:
+            return q, k, v
+        return self.rotary(q), self.rotary(k), v
 
     def rotary(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, head_dim] rotated by each row's position (a model with rotary
+        embeddings)."""
         theta = self.config.rope_theta
         assert theta is not None, "rotary() of a model without rotary embeddings"
         return apply_rotary(x, self.positions, theta, self.config.rope_scaling)

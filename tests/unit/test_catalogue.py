@@ -304,7 +304,8 @@ def test_every_catalogue_operator_is_covered() -> None:
         "rotary",
         "attention_decode",
     }
-    covered |= {"scatter_rows"}  # with the index inputs of rotary and attention: test_index_ops.py
+    # with the index inputs of rotary and attention: test_index_ops.py
+    covered |= {"scatter_rows", "rotary_parts"}
     covered |= {"add_rmsnorm", "add_layernorm"}  # test_fused_norm.py
     covered |= {"sample_tokens"}  # test_device_sampling.py
     linears = {"linear", "linear_parts", "linear_gelu", "linear_gelu_tanh", "linear_silu_glu"}

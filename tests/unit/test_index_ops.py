@@ -150,6 +150,41 @@ def test_rotary_positions_in_place_over_strided_rows_and_tables(rt: Runtime) -> 
     assert_close(k, expect)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("parts", [1, 2, 3, 6])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_rotary_parts_sum_the_splits_and_rotate_the_heads_before_rotated(
+    rt: Runtime, dtype: torch.dtype, parts: int, tokens: int
+) -> None:
+    """A fused q, k, v projection's partial sums (4 q heads, then 2 k and 2 v heads): their sum
+    in fp32, q and k rotated at each row's position, v passed on, in out's dtype. 40 rows take
+    the packed path (4 rows a warp), fewer a warp a row."""
+    heads, rotated, d, table = 8, 6, 64, 50
+    angle = torch.arange(table)[:, None] * 0.9 ** torch.arange(d // 2)
+    cos, sin = (f(angle).to(device=rt.device) for f in (torch.cos, torch.sin))
+    split = randn(rt, (parts, tokens, heads, d), torch.float32, 100 * parts + tokens)
+    positions = ints(rt, [(7 * t) % (table + 3) for t in range(tokens)]).view(tokens, 1)
+    out = torch.empty((tokens, heads, d), dtype=dtype, device=rt.device)
+    call = OpCall("rotary_parts", (split, cos, sin, positions), out=out, scalars={"rotated": 6})
+    run(rt, call)
+    summed = split.cpu().double().sum(0)
+    expect = summed.clone()
+    expect[:, :rotated] = gathered_rotary(summed[:, :rotated], cos, sin, positions)
+    assert_close(out, expect)
+
+
+def test_rotary_parts_rotate_every_row_when_rotated_is_left_out(rt: Runtime) -> None:
+    tokens, d = 3, 8
+    cos = randn(rt, (tokens, d // 2), torch.float32, 12)
+    sin = randn(rt, (1, d // 2), torch.float32, 13)  # broadcast over the rows
+    split = randn(rt, (2, tokens, d), torch.float32, 14)
+    out = run(rt, OpCall("rotary_parts", (split, cos, sin)))
+    summed = split.cpu().double().sum(0)
+    x1, x2 = summed.chunk(2, dim=-1)
+    c, s = cos.cpu().double(), sin.cpu().double()
+    assert_close(out, torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
 # -- scatter_rows into a KV cache ------------------------------------------------------------
 
 
@@ -263,9 +298,15 @@ def test_run_reference_of_index_operators_matches_the_runtime(rt: Runtime) -> No
     """The engine's torch path (run_reference) agrees with the operators, scatter included."""
     q, k = randn(rt, (3, 8), torch.float32, 16), randn(rt, (3, 5, 8), torch.float32, 17)
     cache = randn(rt, (6, 8), torch.float32, 18)
+    split = randn(rt, (2, 3, 5, 8), torch.float32, 19)
     calls = [
         OpCall("attention_decode", (q, k, k, ints(rt, [5, 0, 2]))),
         OpCall("rotary", (q, k[0, :, :4], k[1, :, :4], ints(rt, [4, 1, 9]))),
+        OpCall(
+            "rotary_parts",
+            (split, k[0, :, :4], k[1, :, :4], ints(rt, [[4], [1], [9]])),
+            scalars={"rotated": 3},
+        ),
         OpCall("scatter_rows", (q, ints(rt, [5, -1, 0])), out=cache.clone()),
     ]
     for call in calls:
@@ -307,6 +348,11 @@ def test_index_inputs_are_validated(rt: Runtime) -> None:
             OpCall("rotary", (x, table, table, good[None])),
             "rotary positions (1, 2, 1) must broadcast",
         ),
+        (
+            OpCall("rotary_parts", (x[None].expand(7, 2, 3, 8), table, table, good)),
+            "the S partial sums of a linear_parts with 1 <= S <= 6, got (7, 2, 3, 8)",
+        ),
+        (OpCall("rotary_parts", (x[0, 0], table, table)), "rotary_parts input 0 must have 2"),
         (OpCall("scatter_rows", (x, good)), "out= (the cache"),
         (OpCall("scatter_rows", (x, good.float()), out=k), "input 1 (index) is an index tensor"),
         (
