@@ -22,7 +22,7 @@
 /* Pairs a thread takes of a row at a time where rows share a warp: their loads in flight
  * together. */
 #define GPUOS_ROTARY_PAIRS 4
-/* Rows a warp at least for them to share warps (gpuos_rotary). */
+/* Rows a warp at least for them to share warps (gpuos_rotary_rows). */
 #define GPUOS_ROTARY_PACKED 4
 
 /* Input 0's row as gpuos_rotary_row reads it: x's own (P = 0), or the sum of its P parts
