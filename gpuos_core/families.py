@@ -355,6 +355,11 @@ class ReduceFamily(Family):
         return super().cut(task, tile_elements)
 
 
+# rotary_parts' smallest record of whole passes: rotary.cuh packs rows side by side from
+# GPUOS_ROTARY_PACKED (4) rows a warp of the block's 8 on, a pass of 32 rows of 64 (8 lanes a row).
+ROTARY_PASS_ROWS = 32
+
+
 class RotaryFamily(Family):
     """Rotary embedding, rotate-half form, over rows of even length D with cos/sin of length D/2:
     broadcast to the rows, or tables [P, D/2] whose row positions[r] (int32, clamped into
@@ -408,13 +413,18 @@ class RotaryFamily(Family):
         return Layout(views, shape, shape, _rows(shape))
 
     def cut(self, task: LaidOut, tile_elements: int) -> list[tuple[int, int]]:
-        """rotary_parts: as the elements say, on at most half the multiprocessors, so that the
-        other half claim the attention's records while these run (cut a record an SM, 64 rows
-        of Llama-3.2-1B's heads took 128 records, and its attention's were claimed only as
-        those ended)."""
+        """rotary_parts: records of ROTARY_PASS_ROWS rows or more where the task has rows for
+        two, on at most half the multiprocessors, so that the other blocks claim the
+        attention's records while these run. Cut by elements, 8 rows of Llama-3.2-1B's heads
+        were 48 records of 8 rows beside the projection's 96, and the attention's were claimed
+        only as those ended (~5 us a layer later); 64 rows took 128 records, one an SM."""
         records = super().cut(task, tile_elements)
+        if not self.parts:
+            return records
+        if task.items >= 2 * ROTARY_PASS_ROWS:
+            records = _even(task.items, min(len(records), task.items // ROTARY_PASS_ROWS))
         half = max(1, sm_count(task.inputs[0].device) // 2)
-        return _even(task.items, half) if self.parts and len(records) > half else records
+        return _even(task.items, half) if len(records) > half else records
 
     def derived_scalar(self, name: str, inputs: Tensors) -> float | None:
         """`rotated` left out: every row (more than any index along dim -2)."""

@@ -159,7 +159,8 @@ def test_rotary_parts_sum_the_splits_and_rotate_the_heads_before_rotated(
     """A fused q, k, v projection's partial sums (Llama-3.2-1B's: 32 q heads, then 8 k and 8 v
     heads): their sum in fp32, q and k rotated at each row's position, v passed on, in out's
     dtype. On a GPU, 64 tokens' 3,072 rows go in records of 46-47 (on half the SMs), each in two
-    passes of the packed form (32 rows at a time, 4 a warp); 5 tokens' a warp a row."""
+    passes of the packed form (32 rows at a time, 4 a warp); 5 tokens' 240 in 7 records of 34-35
+    (a second pass of 2-3 rows); one token's 48 a warp a row."""
     heads, rotated, d, table = 48, 40, 64, 50
     angle = torch.arange(table)[:, None] * 0.9 ** torch.arange(d // 2)
     cos, sin = (f(angle).to(device=rt.device) for f in (torch.cos, torch.sin))
