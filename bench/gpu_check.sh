@@ -32,7 +32,8 @@ if [[ "$mode" != quick ]]; then
     step kernels 420 python3 bench/kernels.py --out "$OUT"
 fi
 # The serving load test needs Ray Serve, FastAPI and Locust, which the GPU host lacks: carry the
-# bundle that ../shared/tools/offline_site.sh builds (.devbundle/site.tar.xz) to run it.
+# bundle that ../shared/tools/offline_site.sh builds (.devbundle/site.tar.xz) to run it; build it as
+# `offline_site.sh orjson`: serving's JSON answers use orjson, which the script leaves out by itself.
 if [[ -f .devbundle/site.tar.xz && "$mode" != quick ]]; then
     mkdir -p /tmp/site && tar -C /tmp/site -xJf .devbundle/site.tar.xz
     export PYTHONPATH="/tmp/site:$PYTHONPATH" PATH="/tmp/site/bin:$PATH"
