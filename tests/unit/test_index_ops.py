@@ -14,8 +14,16 @@ from test_catalogue import DTYPES, TOLERANCE, rel_error
 
 from gpuos_core import OpCall, Runtime
 from gpuos_core.catalogue import CATALOGUE, run_reference
+from gpuos_core.config import CudaConfig
 from gpuos_core.errors import TensorSpecError
-from gpuos_core.families import SCATTER_RECORD_ROWS, SCATTER_SPREAD, family
+from gpuos_core.families import (
+    DEFAULT_SMS,
+    ROTARY_PASS_ROWS,
+    SCATTER_RECORD_ROWS,
+    SCATTER_SPREAD,
+    family,
+)
+from gpuos_core.paths import CUDA_DIR
 
 I32 = torch.int32
 
@@ -173,6 +181,32 @@ def test_rotary_parts_sum_the_splits_and_rotate_the_heads_before_rotated(
     expect = summed.clone()
     expect[:, :rotated] = gathered_rotary(summed[:, :rotated], cos, sin, positions)
     assert_close(out, expect)
+
+
+def test_rotary_parts_records_are_whole_packed_passes_on_half_the_sms() -> None:
+    """Llama-3.2-1B's 48 heads of 64 a token: from two passes' rows on, records of at least a
+    packed pass (8 tokens: 12 records of 32 rows, where cut by elements they were 48 of 8 that
+    held blocks beside the QKV projection's), at most half the SMs (64 tokens: 66 records); one
+    token's 48 rows as the elements say. The pass is rotary.cuh's: GPUOS_ROTARY_PACKED rows a
+    warp of the worker block."""
+
+    def cut(tokens: int) -> list[int]:
+        with Runtime("cpu") as runtime:
+            split = torch.zeros(2, tokens, 48, 64)
+            table = torch.zeros(50, 32)
+            at = torch.zeros(tokens, 1, dtype=I32)
+            task = runtime.prepare(OpCall("rotary_parts", (split, table, table, at)))
+        return [e - b for b, e in family("rotary_parts").ranges(task, 16384)]
+
+    packed = re.search(
+        r"#define GPUOS_ROTARY_PACKED (\d+)", (CUDA_DIR / "ops" / "rotary.cuh").read_text()
+    )
+    assert packed is not None
+    assert ROTARY_PASS_ROWS == int(packed.group(1)) * CudaConfig().block_threads // 32
+    assert cut(8) == [ROTARY_PASS_ROWS] * 12
+    assert min(cut(5)) >= ROTARY_PASS_ROWS and sum(cut(5)) == 240
+    assert len(cut(64)) == DEFAULT_SMS // 2 and sum(cut(64)) == 64 * 48
+    assert max(cut(1)) < ROTARY_PASS_ROWS and sum(cut(1)) == 48
 
 
 def test_rotary_parts_rotate_every_row_when_rotated_is_left_out(rt: Runtime) -> None:
