@@ -421,9 +421,10 @@ class RotaryFamily(Family):
         records = super().cut(task, tile_elements)
         if not self.parts:
             return records
-        if task.items >= 2 * ROTARY_PASS_ROWS:
-            records = _even(task.items, min(len(records), task.items // ROTARY_PASS_ROWS))
         half = max(1, sm_count(task.inputs[0].device) // 2)
+        if task.items >= 2 * ROTARY_PASS_ROWS:
+            passes = task.items // ROTARY_PASS_ROWS
+            return _even(task.items, min(len(records), passes, half))
         return _even(task.items, half) if len(records) > half else records
 
     def derived_scalar(self, name: str, inputs: Tensors) -> float | None:
