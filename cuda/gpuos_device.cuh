@@ -410,18 +410,36 @@ __device__ __forceinline__ void gpuos_unpack4(const uint2& w, int dtype, float (
   }
 }
 
-/* The 4 contiguous elements of `dtype` at byte address `p` (aligned to 4 elements) with one
- * vector load. Branch-free like gpuos_load_ptr (a predicated load of each width, then selects),
- * so that the loads of several tensors of different dtypes are in flight together. */
-__device__ __forceinline__ void gpuos_load4_ptr(const char* p, int dtype, float (&v)[4]) {
+/* The word of a vector load of 4 elements of either width: `f` for fp32, `h` for fp16 and bf16
+ * (the other is 0). */
+struct GpuosWord4 {
+  uint4 f;
+  uint2 h;
+};
+
+/* The word of the 4 contiguous elements of `dtype` at byte address `p` (aligned to 4 elements).
+ * Branch-free like gpuos_load_ptr (a predicated load of each width), so that the loads of several
+ * tensors of different dtypes are in flight together. Callers that need many loads in flight
+ * issue them all before unpacking any (gpuos_unpack_word4): the unpack waits for its load. */
+__device__ __forceinline__ GpuosWord4 gpuos_load_word4(const char* p, int dtype) {
   const bool wide = dtype == GPUOS_DTYPE_F32;
-  const uint4 f = wide ? __ldcg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
-  const uint2 w = wide ? make_uint2(0, 0) : __ldcg(reinterpret_cast<const uint2*>(p));
+  return GpuosWord4{wide ? __ldcg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0),
+                    wide ? make_uint2(0, 0) : __ldcg(reinterpret_cast<const uint2*>(p))};
+}
+
+/* The 4 values of `word`, loaded as `dtype` (gpuos_load_word4). */
+__device__ __forceinline__ void gpuos_unpack_word4(const GpuosWord4& word, int dtype, float (&v)[4]) {
   float four[4], half[4];
-  gpuos_unpack4(f, dtype, four);
-  gpuos_unpack4(w, dtype, half);
+  gpuos_unpack4(word.f, dtype, four);
+  gpuos_unpack4(word.h, dtype, half);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) v[j] = wide ? four[j] : half[j];
+  for (int j = 0; j < 4; ++j) v[j] = dtype == GPUOS_DTYPE_F32 ? four[j] : half[j];
+}
+
+/* The 4 contiguous elements of `dtype` at byte address `p` (aligned to 4 elements), with one
+ * vector load (gpuos_load_word4). */
+__device__ __forceinline__ void gpuos_load4_ptr(const char* p, int dtype, float (&v)[4]) {
+  gpuos_unpack_word4(gpuos_load_word4(p, dtype), dtype, v);
 }
 
 /* Elements off .. off + 3 of a contiguous `ref` with one vector load (gpuos_aligned4 must hold). */

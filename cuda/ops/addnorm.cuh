@@ -63,18 +63,35 @@ struct GpuosAddNormParams {
   float w[GpuosAddNormVec<G>::value][4], b[GpuosAddNormVec<G>::value][4];
 };
 
+/* All of a thread's loads are issued before any is unpacked, in one basic block: each chunk's
+ * loads behind its own branch, unpacked before the next chunk's, were one round trip after
+ * another (4 for a row of 768 on the block, ~3 us of a record claimed late). A load past the row
+ * or of a missing weight or bias reads chunk 0 of x instead (a valid address; the value is not
+ * used); a rms norm loads no bias. */
 template <bool RMS, class G>
 __device__ __forceinline__ void gpuos_addnorm_params(const GpuosTask* t, int64_t n,
                                                      GpuosAddNormParams<G>& p) {
+  constexpr int VEC = GpuosAddNormVec<G>::value;
   const bool has_w = t->num_inputs > 2, has_b = !RMS && t->num_inputs > 3;
+  const GpuosTensorRef &w = t->in[has_w ? 2 : 0], &b = t->in[has_b ? 3 : 0];
+  GpuosWord4 wq[VEC], bq[VEC];
 #pragma unroll
-  for (int i = 0; i < GpuosAddNormVec<G>::value; ++i) {
-    const int64_t j = gpuos_addnorm_chunk<G>(i);
+  for (int i = 0; i < VEC; ++i) {
+    const int64_t j = gpuos_addnorm_chunk<G>(i) < n ? gpuos_addnorm_chunk<G>(i) : 0;
+    wq[i] = gpuos_load_word4(gpuos_ptr(w, j), w.dtype);
+    bq[i] = RMS ? GpuosWord4{} : gpuos_load_word4(gpuos_ptr(b, j), b.dtype);
+  }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) p.w[i][e] = 1.0f, p.b[i][e] = 0.0f;
-    if (j >= n) continue;
-    if (has_w) gpuos_load4(t->in[2], j, p.w[i]);
-    if (has_b) gpuos_load4(t->in[3], j, p.b[i]);
+  for (int i = 0; i < VEC; ++i) {
+    const bool in = gpuos_addnorm_chunk<G>(i) < n;
+    float wv[4], bv[4];
+    gpuos_unpack_word4(wq[i], w.dtype, wv);
+    gpuos_unpack_word4(bq[i], b.dtype, bv);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      p.w[i][e] = in && has_w ? wv[e] : 1.0f;
+      p.b[i][e] = in && has_b ? bv[e] : 0.0f;
+    }
   }
 }
 
