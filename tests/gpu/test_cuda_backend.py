@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from gpuos_core import (
     Runtime,
     RuntimeConfig,
 )
+from gpuos_core.batch import Batch
 from gpuos_core.errors import StalledWorkerError, TaskFailedError
 
 pytestmark = pytest.mark.gpu
@@ -78,6 +80,22 @@ def test_the_ring_wraps_and_pushes_back_without_losing_records() -> None:
             assert all(torch.equal(out, x + x) for out in batch.wait(30).results())
         big = rt.submit([rt.prepare(OpCall("add", (x, x))) for _ in range(650)])  # 10x the ring
         assert all(torch.equal(out, x + x) for out in big.wait(30).results())
+
+
+def test_a_record_the_image_lacks_fails_only_its_task_among_many(rt: Runtime) -> None:
+    """The worker marks the record failed; the batch, whose last record succeeded, completes
+    and says which task failed, and every other task holds its result."""
+    xs = [torch.randn(64, device="cuda") for _ in range(300)]
+    tasks = [rt.prepare(OpCall("relu", (x,))) for x in xs]
+    records = np.concatenate([t.records for t in tasks])
+    records["op_slot"][150] = 1 << 20  # no such slot in the loaded image
+    batch = Batch(tasks, records, np.arange(len(tasks)), [1] * len(tasks))
+    rt.backend.launch(batch)
+    batch.wait(30)
+    with pytest.raises(TaskFailedError, match="not in the loaded image"):
+        batch.result(150)
+    for i in (0, 149, 151, 299):
+        torch.testing.assert_close(batch.result(i), torch.relu(xs[i]))
 
 
 def test_large_tasks_are_tiled_across_blocks(rt: Runtime) -> None:
