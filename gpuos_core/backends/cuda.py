@@ -115,10 +115,10 @@ class _Pending:
 
     def _all_done(self, done: np.ndarray) -> bool:
         """Whether every record not reaped yet completed without failure: their completion words
-        against the tickets + 1 they hold then, compared as bytes. numpy's comparisons let the
-        GIL go above 500 elements, and on the H200's host taking it back cost ~10-50 µs each
-        time: the windows' dozens of calls took 0.06 ms a one-row GPT-2 step (2,500 records),
-        0.37 ms a 64-row one (7,300), where the same calls alone took 0.02 (bench/NOTES.md)."""
+        against the tickets + 1 they hold then, compared as bytes (memcmp, the GIL kept). The
+        windows' numpy calls each let the GIL go above 500 elements: in the LLM engine on the
+        H200 they took 0.06-0.38 ms to find a one-row GPT-2 step (2,520 records) done and
+        0.13-0.48 ms a 64-row one (7,251), where alone they take 0.02 (bench/NOTES.md)."""
         begin, n = self.first + self.reaped, self.count - self.reaped
         lo = begin & self.mask
         head = min(n, self.mask + 1 - lo)

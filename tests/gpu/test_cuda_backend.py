@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -86,10 +85,11 @@ def test_a_record_the_image_lacks_fails_only_its_task_among_many(rt: Runtime) ->
     """The worker marks the record failed; the batch, whose last record succeeded, completes
     and says which task failed, and every other task holds its result."""
     xs = [torch.randn(64, device="cuda") for _ in range(300)]
-    tasks = [rt.prepare(OpCall("relu", (x,))) for x in xs]
-    records = np.concatenate([t.records for t in tasks])
+    work = rt.encode([rt.prepare(OpCall("relu", (x,))) for x in xs])
+    versions = rt.submit(work).wait(30).versions  # resolves the records' slots in place
+    records = work.records.copy()
     records["op_slot"][150] = 1 << 20  # no such slot in the loaded image
-    batch = Batch(tasks, records, np.arange(len(tasks)), [1] * len(tasks))
+    batch = Batch(work.tasks, records, work.owners, versions)
     rt.backend.launch(batch)
     batch.wait(30)
     with pytest.raises(TaskFailedError, match="not in the loaded image"):
