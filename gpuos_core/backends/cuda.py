@@ -86,16 +86,16 @@ class _Pending:
         frees ring slots and shows the watchdog progress waits for the batch's end, or for a
         poll that needs it (CudaBackend._thorough)."""
         last = self.first + self.count - 1
-        end = int(done[last & self.mask]) if self.published == self.count else 0
+        word = int(done[last & self.mask]) if self.published == self.count else 0
         if self.count == 1:  # a lone record in plain Python: the one-task round trip
-            if abs(end) != last + 1:
+            if abs(word) != last + 1:
                 return False
-            self.failures, self.reaped = ([0] if end < 0 else []), 1
+            self.failures, self.reaped = ([0] if word < 0 else []), 1
             return True
-        if end == last + 1 and self._all_done(done):
+        if word == last + 1 and self._all_done(done):
             self.reaped = self.count
             return True
-        if abs(end) != last + 1 and not thorough:
+        if abs(word) != last + 1 and not thorough:
             return False
         # From the oldest record on, in windows that double while they complete: a poll costs
         # its news, not the batch's length; failures are found here.
@@ -122,7 +122,9 @@ class _Pending:
         begin, n = self.first + self.reaped, self.count - self.reaped
         lo = begin & self.mask
         head = min(n, self.mask + 1 - lo)
-        got = done[lo : lo + head].tobytes() + done[: n - head].tobytes()
+        got = done[lo : lo + head].tobytes()
+        if head < n:  # the batch wraps past the ring's end
+            got += done[: n - head].tobytes()
         return got == np.arange(begin + 1, begin + n + 1, dtype=np.int64).tobytes()
 
 
