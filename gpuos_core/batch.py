@@ -111,7 +111,7 @@ class Batch:
 
     def check(self) -> Batch:
         """Raise TaskFailedError for the first failed task, if any (call after completion)."""
-        if (self.status != STATUS_DONE).any():
+        if self.errors or not self._complete:  # complete() names every failed task there
             self.results()
         return self
 

@@ -224,6 +224,8 @@ def test_one_failing_task_fails_only_itself(cpu_rt: Runtime) -> None:
     torch.testing.assert_close(batch.result(2), torch.relu(rt_tasks[2].inputs[0]))
     with pytest.raises(TaskFailedError):
         batch.result(1)
+    with pytest.raises(TaskFailedError):  # check() names the first failed task too
+        batch.check()
 
 
 def test_a_task_writes_only_its_range_of_work_items(cpu_rt: Runtime) -> None:
