@@ -29,6 +29,7 @@ if [[ "$mode" != quick ]]; then
     step micro 420 python3 bench/micro.py --out "$OUT"
     step sched 300 python3 bench/sched.py --out "$OUT"
     step llm 600 python3 bench/llm.py --decode-steps 1 4 --out "$OUT"
+    step host-phases 300 python3 bench/host_phases.py --out "$OUT"
     step kernels 420 python3 bench/kernels.py --out "$OUT"
 fi
 # The serving load test needs Ray Serve, FastAPI and Locust, which the GPU host lacks: carry the
