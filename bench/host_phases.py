@@ -12,7 +12,8 @@ the write and the submit, result() the wait and the readback). Phases run by the
 poller thread are counted apart (name@poller). Thread CPU from /proc's schedstat: run and
 run-queue ms a step and context switches a step, per thread. The step and its phases move
 with the host's speed (the H200's hosts have differed 2x between calls, bench/NOTES.md):
-compare row counts and trees within one run only. Writes host-phases-<device>.json to --out.
+compare row counts and trees within one run only. Writes host-phases-<device>-<commit>.json
+to --out (bench/llm.py's run info and naming).
 The timers wrap the methods by name, which adds ~1 µs a call.
 """
 
@@ -29,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from llm import OURS, engine_run, make_model, new_engine, prompts, reference_tokens
+from kernels import slug  # bench/ is the script's directory
+from llm import OURS, engine_run, make_model, new_engine, prompts, reference_tokens, run_info
 
 from gpuos_core import Runtime, RuntimeConfig
 from gpuos_core.backends.cuda import CudaBackend
@@ -106,7 +108,8 @@ class Timers:
 
 
 def schedstat(tid: int) -> np.ndarray:
-    """ns run, ns waiting to run, and voluntary + involuntary context switches of a thread."""
+    """ns run, ns waiting to run, and voluntary + involuntary context switches of a thread
+    (Linux's /proc)."""
     run, wait, _ = map(int, Path(f"/proc/self/task/{tid}/schedstat").read_text().split())
     status = Path(f"/proc/self/task/{tid}/status").read_text().splitlines()
     switches = sum(int(line.split()[1]) for line in status if "ctxt_switches" in line)
@@ -124,20 +127,15 @@ def measure(engine: Engine, timers: Timers, rows: int, new: int, reps: int, ref:
     for _ in range(2):  # each layout of this row count built, for both parities
         engine_run(engine, OURS, batch, 3, ref)
     ids = threads()
-    readable = all(Path(f"/proc/self/task/{t}/schedstat").exists() for t in ids.values())
     timers.calls.clear()
-    before = {k: schedstat(t) for k, t in ids.items()} if readable else {}
+    before = {k: schedstat(t) for k, t in ids.items()}
     steps = engine.steps
     runs = [engine_run(engine, OURS, batch, new, ref) for _ in range(reps)]
     steps = max(1, engine.steps - steps)
-    cpu = {
-        k: dict(zip(("run_ms", "queued_ms", "switches"), (schedstat(t) - before[k]) / steps))
-        for k, t in ids.items()
-        if readable
-    }
-    for k in cpu:
-        cpu[k]["run_ms"] /= 1e6
-        cpu[k]["queued_ms"] /= 1e6
+    cpu = {}
+    for k, t in ids.items():
+        run, queued, switches = (schedstat(t) - before[k]) / steps
+        cpu[k] = {"run_ms": run / 1e6, "queued_ms": queued / 1e6, "switches": switches}
     return {
         "rows": rows,
         "steps": steps,
@@ -202,10 +200,10 @@ def main() -> None:
                     show(results[-1])
             finally:
                 engine.close()
-    name = torch.cuda.get_device_name().split()[-1].lower() if device == "cuda" else "cpu"
+    info = run_info(args.backend)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"host-phases-{name}.json"
-    path.write_text(json.dumps({"shape": args.shape, "results": results}, indent=1))
+    path = args.out / f"host-phases-{slug(info['device'])}-{info['commit']}.json"
+    path.write_text(json.dumps({**info, "shape": args.shape, "results": results}, indent=1))
     print(f"wrote {path}")
 
 
