@@ -34,6 +34,12 @@ struct GpuosAddNormVec<GpuosPairGroup> {
   static constexpr int value = 3;
 };
 
+/* Whether a row of n elements fits group G's fast path (its chunks of 4 a thread). */
+template <class G>
+__device__ __forceinline__ bool gpuos_addnorm_fits(int64_t n) {
+  return n <= 4 * GpuosAddNormVec<G>::value * static_cast<int64_t>(G::size());
+}
+
 /* ---- the fast path: a row in registers ---------------------------------------------------- */
 
 /* Whether the task's rows take the fast path with group G: every tensor contiguous and aligned
@@ -41,8 +47,7 @@ struct GpuosAddNormVec<GpuosPairGroup> {
  * Depends on the task only (uniform over the block). */
 template <class G>
 __device__ __forceinline__ bool gpuos_addnorm_fast(const GpuosTask* t, int64_t n) {
-  constexpr int VEC = GpuosAddNormVec<G>::value;
-  bool ok = n % 4 == 0 && n <= 4 * VEC * static_cast<int64_t>(G::size());
+  bool ok = n % 4 == 0 && gpuos_addnorm_fits<G>(n);
   ok = ok && gpuos_is_contiguous(t->out) && gpuos_aligned4(t->out, 0);
   GPUOS_ROLLED
   for (int i = 0; i < t->num_inputs; ++i)
@@ -241,15 +246,17 @@ struct GpuosAddNormRow {
 };
 
 /* The fast path where the task allows it, else the passes of rows.cuh. Rows a warp each where
- * gpuos_rows_by_warp says so; else a pair of warps each where the record has several rows and
- * they fit (a prefill record's 4 rows of 768 side by side: a block took them one after another,
- * a round trip each), else the block each. */
+ * gpuos_rows_by_warp says so and a row fits a warp; else a pair of warps each where the record
+ * has several rows and they fit (a prefill record's 4 rows of 768 side by side: a block took
+ * them one after another, a round trip each), else the block each. A record of many long rows
+ * (a 2,048-row prefill step's 16 rows of 768) once went to the warps' passes, which re-read
+ * each row from memory: 40 us a record, against ~3 for 4 rows on the pairs' fast path. */
 template <bool RMS>
 __device__ __forceinline__ void gpuos_add_norm(const GpuosTask* t) {
   const int64_t n = gpuos_row_len(t->in[0]);
-  const bool pairs = t->range_end - t->range_begin > 1 &&
-                     n <= 4 * GpuosAddNormVec<GpuosPairGroup>::value * GpuosPairGroup::size();
-  if (gpuos_rows_by_warp(t, n)   ? gpuos_addnorm_try_fast<RMS, GpuosWarpGroup>(t, n)
+  const bool warps = gpuos_rows_by_warp(t, n) && gpuos_addnorm_fits<GpuosWarpGroup>(n);
+  const bool pairs = t->range_end - t->range_begin > 1 && gpuos_addnorm_fits<GpuosPairGroup>(n);
+  if (warps    ? gpuos_addnorm_try_fast<RMS, GpuosWarpGroup>(t, n)
       : pairs ? gpuos_addnorm_try_fast<RMS, GpuosPairGroup>(t, n)
               : gpuos_addnorm_try_fast<RMS, GpuosBlockGroup>(t, n))
     return;

@@ -22,14 +22,17 @@ OPS = ("add_rmsnorm", "add_layernorm")
 SHAPES = [(1, 1), (3, 7), (5, 33), (2, 3, 300), (1, 4096), (17, 1000), (64, 257)]
 SHAPES += [(3, 256), (3, 257), (1, 768), (2, 2048)]  # rows held in registers: 768 to 2048
 SHAPES += [(4, 768), (5, 764)]  # on CUDA a record a row: the block each
-# On CUDA these are cut 2-4 rows a record (rows over 132 SMs, as a prefill step's are), which the
+# On CUDA these are cut 2-16 rows a record (rows over 132 SMs, as a prefill step's are), which the
 # device runs side by side: a pair of warps a row up to 768, else the block a row, one after
-# another. The CPU backend computes every record with torch, so they run on CUDA only.
+# another (8 rows a record and more: a 2,048-row step's). The CPU backend computes every record
+# with torch, so they run on CUDA only.
 RECORD_SHAPES = [(512, 768), (390, 764), (512, 2048), (300, 1028), (260, 2044)]
+RECORD_SHAPES += [(2048, 768), (1500, 764), (2048, 2048), (1100, 1028)]
 # (shape, splits): y as a linear_parts' partial sums
 PARTS = [((1, 768), 3), ((64, 768), 6), ((3, 257), 6), ((2, 3, 300), 1), ((5, 33), 2)]
 PARTS += [((2, 2048), 4), ((3, 256), 5), ((4, 768), 4)]
 RECORD_PARTS = [((512, 768), 4), ((512, 2048), 2), ((300, 1028), 2), ((512, 2048), 3)]
+RECORD_PARTS += [((2048, 768), 2), ((2048, 2048), 1)]
 
 
 @pytest.fixture(scope="module")
