@@ -31,7 +31,7 @@ class LlmArgs(BaseModel):
     max_running: int = Field(64, ge=1, le=1024)  # requests decoded together (KV slots)
     max_len: int | None = Field(None, ge=2)  # tokens per slot; None: the model's limit
     max_waiting: int = Field(256, ge=0)  # queued beyond this: 503
-    max_step_tokens: int = Field(512, ge=1)  # new rows one step takes (prompts chunked)
+    max_step_tokens: int = Field(2048, ge=1)  # new rows one step takes (prompts chunked)
     decode_steps: int = Field(1, ge=1, le=16)  # decode steps one program runs back to back
     micro_ops: Literal["runtime", "torch"] = "runtime"  # torch: the per-op baseline
 

@@ -93,7 +93,10 @@ class EngineConfig:
     max_running: int = 64  # KV slots: requests decoded together
     max_len: int | None = None  # tokens one slot holds (prompt + completion); None: model's limit
     max_waiting: int = 256  # requests queued for a slot beyond this are refused
-    max_step_tokens: int = 512  # new rows one step may take (bounds a step behind a long prompt)
+    # New rows one step may take: bounds a step behind a long prompt. 2,048 as vLLM's scheduler
+    # default (its API server takes 8,192 on an H100 or H200): on the H200 one GPT-2 step of 64
+    # prompts of 32 took 3.6 ms of device time where four of 16 took 7.1 (bench/NOTES.md, s310).
+    max_step_tokens: int = 2048
     # Decode steps one program runs back to back while every running request only decodes (and
     # one of them has that many tokens left) and no request waits or arrived since the last
     # step: the host's work a step (~5 µs a request) once for that many tokens. A request that
