@@ -34,10 +34,10 @@ from kernels import slug  # bench/ is the script's directory
 from llm import OURS, engine_run, make_model, new_engine, prompts, reference_tokens, run_info
 
 from gpuos_core import Runtime, RuntimeConfig
-from gpuos_core.backends.cuda import CudaBackend
+from gpuos_core.backends.cuda import POLLER_THREAD, CudaBackend
 from gpuos_core.batch import Batch
 from serving.llm.device_step import Launched, Layout, StepInputs, StepProgram
-from serving.llm.engine import Engine, EngineConfig
+from serving.llm.engine import STEP_THREAD, Engine, EngineConfig
 
 # (class, method): the phases timed, outermost first
 PHASES: list[tuple[type, str]] = [
@@ -62,7 +62,7 @@ PHASES: list[tuple[type, str]] = [
 ORDER = [f"{o.__name__}.{n}{at}" for o, n in PHASES for at in ("", "@poller")] + ["result()"]
 # The threads by the names their owners give them (Engine, CudaBackend; the poller's phases
 # are counted apart)
-THREADS = {"engine": "gpuos-llm-engine", "poller": "gpuos-cuda-poller", "main": "MainThread"}
+THREADS = {"engine": STEP_THREAD, "poller": POLLER_THREAD, "main": "MainThread"}
 
 
 class Timers:

@@ -57,6 +57,7 @@ MAX_CLAIM = 16  # GPUOS_MAX_CLAIM in gpuos_worker.cu: records a worker block can
 # Worker grids kept launched: the running one and its successor, queued behind it on the worker
 # stream. An implicit device-wide sync may so wait for two leases (CudaConfig.lease_ms each).
 WORKER_GRIDS = 2
+POLLER_THREAD = "gpuos-cuda-poller"  # the thread that completes batches (bench/host_phases.py)
 REAP_WINDOW = 1024  # completions a poll reads first (then twice as many while all are done)
 READ_SPIN_S = 2e-4  # `read` spins, GIL held, this long for its copy (a few KB take ~10 µs)
 
@@ -169,7 +170,7 @@ class CudaBackend(Backend):
         self.launches = 0  # worker launches so far (each lease is one)
         self._closed = False
         self._parked = False  # the poller blocks on _wake (see _park_when_idle)
-        self._poller = daemon(self._poll_loop, "gpuos-cuda-poller")
+        self._poller = daemon(self._poll_loop, POLLER_THREAD)
 
     # -- setup ---------------------------------------------------------------------------------
     def _open_context(self, index: int) -> None:

@@ -67,6 +67,7 @@ from serving.llm.sampling import SamplingParams, StopMatcher
 from serving.llm.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("gpuos.llm")
+STEP_THREAD = "gpuos-llm-engine"  # the thread that runs an engine's steps
 MicroOps = Literal["runtime", "torch"]
 
 
@@ -488,7 +489,7 @@ class Engine:
         # Seconds of the step loop on the host and blocked on a launched step's tokens: a
         # replica whose waits shrink towards nothing is bound by its host, not its device.
         self.host_s = self.wait_s = 0.0
-        self._thread = daemon(self._loop, "gpuos-llm-engine")
+        self._thread = daemon(self._loop, STEP_THREAD)
 
     def _allocate_kv(self) -> KVPool:
         """KVMemoryError, saying which settings to lower, when the pool does not fit."""
