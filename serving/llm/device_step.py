@@ -194,13 +194,32 @@ def lanes_of(layout: Layout, model: Model, sms: int) -> tuple[slice, ...]:
     with longer spans is one lane."""
     layers = model.weights.layers
     widest = max(p.weight.shape[0] for w in layers for p in (w.qkv, w.o, w.up, w.down))
+    count = 1 if layout.groups else _cuts(layout.decode, widest, sms, LANES)
+    return _cut(layout.rows, count)
+
+
+def head_cuts(rows: int, vocab: int, sms: int) -> tuple[slice, ...]:
+    """The rows of each LM head task of a step of `rows` logits rows: as many cuts of LANE_ROWS
+    rows or more as still find a block per tile of the `vocab` outputs on `sms` blocks. A small
+    vocabulary's head is a few tiles, whose records otherwise run all the rows on a few SMs
+    (GPT-2-small's 256-vocab head, 4 tiles: a 64-row record took 18.7 µs on the step's path, a
+    16-row one 4.6; H200, s317); a large one fills the worker at any row count and is one task."""
+    return _cut(rows, _cuts(rows, vocab, sms, rows // LANE_ROWS))
+
+
+def _cuts(rows: int, outputs: int, sms: int, most: int) -> int:
+    """The most cuts of `rows`, up to `most`, each of LANE_ROWS rows or more, whose tiles of a
+    linear of `outputs` all find a block on `sms` blocks (1 where none do)."""
 
     def fits(count: int) -> bool:
-        rows = layout.decode // count
-        return rows >= LANE_ROWS and count * LinearPlan(rows, widest, 1, 1).tiles <= sms
+        part = rows // count
+        return part >= LANE_ROWS and count * LinearPlan(part, outputs, 1, 1).tiles <= sms
 
-    count = 1 if layout.groups else max(n for n in range(1, LANES + 1) if n == 1 or fits(n))
-    rows = layout.rows
+    return max((n for n in range(2, most + 1) if fits(n)), default=1)
+
+
+def _cut(rows: int, count: int) -> tuple[slice, ...]:
+    """`rows` rows as `count` runs of consecutive rows, as even as they come."""
     return tuple(slice(i * rows // count, (i + 1) * rows // count) for i in range(count))
 
 
@@ -626,10 +645,11 @@ class ProgramOps:
         # a decode-only step's logits rows are its rows (Layout.place): no stage to gather them
         rows = self._add("gather_rows", h, self.inputs["picks"]) if self.layout.groups else h
         out = self.build.empty((self.layout.picks, head.shape[0]), torch.float32)
-        logits = self._add("linear", rows, head, out=out)
+        for cut in head_cuts(self.layout.picks, head.shape[0], self.sms):
+            self._add("linear", rows[cut], head, out=out[cut])
         for stored in self._late:
             self._store(*stored)
-        return logits
+        return out
 
 
 @dataclass(frozen=True)

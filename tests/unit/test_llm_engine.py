@@ -28,6 +28,7 @@ from serving.llm.device_step import (
     StepProgram,
     StepWork,
     fusable,
+    head_cuts,
     lanes_of,
 )
 from serving.llm.engine import (
@@ -174,6 +175,17 @@ def test_a_step_runs_in_one_lane_where_lanes_would_crowd_the_worker(model_dir: P
     assert lanes_of(Layout(rows, 0), model, 1) == (slice(0, rows),)
     assert lanes_of(Layout(rows - 1, 0), model, 132) == (slice(0, rows - 1),)
     assert lanes_of(Layout(rows, 1), model, 132) == (slice(0, rows + GROUP_ROWS),)
+
+
+def test_a_small_vocabularys_head_runs_in_cuts_of_lane_rows() -> None:
+    """The LM head of a vocabulary of a few tiles runs as tasks of LANE_ROWS rows or more, as
+    many as still find a block per tile; a vocabulary that fills the worker is one task."""
+    rows = 4 * LANE_ROWS
+    quarters = tuple(slice(i * LANE_ROWS, (i + 1) * LANE_ROWS) for i in range(4))
+    assert head_cuts(rows, 256, 132) == quarters
+    assert head_cuts(rows, 256, 8) == (slice(0, 2 * LANE_ROWS), slice(2 * LANE_ROWS, rows))
+    assert head_cuts(rows, 50257, 132) == (slice(0, rows),)
+    assert head_cuts(2 * LANE_ROWS - 1, 256, 132) == (slice(0, 2 * LANE_ROWS - 1),)
 
 
 def test_a_prefill_steps_chunks_attend_in_one_wave_of_records(
