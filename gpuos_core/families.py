@@ -42,6 +42,11 @@ REDUCE_SERIAL_MAX = 64
 # sampling was claimed ~10 us after the head's end (Llama-3.2-1B: 1,024, ~18 us; H200, s315).
 SCATTER_SPREAD = 16
 SCATTER_RECORD_ROWS = 8
+# add_layernorm / add_rmsnorm sharing the machine (OpCall.share): records of ADDNORM_PAIR_ROWS
+# rows of at most ADDNORM_PAIR_MAX elements, side by side a pair of warps a row (addnorm.cuh;
+# four at once on the worker's 256 threads).
+ADDNORM_PAIR_ROWS = 4
+ADDNORM_PAIR_MAX = 768
 
 
 @dataclass(frozen=True)
@@ -306,6 +311,20 @@ class AddNormFamily(RowFamily):
     def compute(self, xs: Tensors, p: Params, expr: Expr | None) -> torch.Tensor:
         x = xs[0]
         return self._fn([(x + _residual(x, xs[1])).to(x.dtype), *xs[2:]], p.scalars)
+
+    def cut(self, task: LaidOut, tile_elements: int) -> list[tuple[int, int]]:
+        """As rows are cut by elements; but a task that shares the machine takes rows that
+        pairs of warps hold at least ADDNORM_PAIR_ROWS a record. A record a row spreads the
+        row's bytes over the most SMs (4 rows a record made GPT-2's 8- to 32-row steps 3-11%
+        longer), but each record claimed holds a block while it waits for its producer: the
+        norm of a 32-row lane of a 64-row step was 32 records, and the next stages' records,
+        claimed behind both lanes' stages, started late (4 a record: the step 1.5% shorter,
+        its up projections 20-40 µs; H200, bench/NOTES.md s327)."""
+        records = super().cut(task, tile_elements)
+        paired = task.share is not None and task.inputs[0].shape[-1] <= ADDNORM_PAIR_MAX
+        if not paired or records[0][1] - records[0][0] >= ADDNORM_PAIR_ROWS:
+            return records
+        return _stepped(task.items, ADDNORM_PAIR_ROWS)
 
     def execute(
         self, out: torch.Tensor, xs: Tensors, p: Params, expr: Expr | None, begin: int, end: int

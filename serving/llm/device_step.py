@@ -61,6 +61,9 @@ IDLE = -1  # token, position and KV row of an idle row (gather_rows yields zeros
 GROUP_ROWS = 16  # rows of a group: a longer span takes ceil(n / GROUP_ROWS) of them
 LANE_ROWS = 16  # rows of a lane, at least (lanes_of)
 LANES = 2  # lanes of a step, at most
+# Lanes of this many rows or more record their norms as sharing the machine (AddNormFamily.cut:
+# several rows a record): their stages hold most blocks, and a record a row held more.
+SHARED_NORM_ROWS = 32
 
 
 # Activations an up projection can apply itself (the catalogue's linear_<activation>), each
@@ -419,20 +422,27 @@ class ProgramOps:
         return self.inputs[name][self.step]
 
     def _add(
-        self, op: str, *inputs: torch.Tensor, out: torch.Tensor | None = None, **scalars: float
+        self,
+        op: str,
+        *inputs: torch.Tensor,
+        out: torch.Tensor | None = None,
+        share: int | None = None,
+        **scalars: float,
     ) -> torch.Tensor:
-        return self.build.add(OpCall(op, inputs, out=out, scalars=scalars))
+        return self.build.add(OpCall(op, inputs, out=out, scalars=scalars, share=share))
 
     def _lanes(
         self,
         op: str,
         inputs: Callable[[slice], tuple[torch.Tensor, ...]],
         out: torch.Tensor,
+        share: int | None = None,
         **scalars: float,
     ) -> torch.Tensor:
-        """`op` once per lane: of `inputs(rows)` into `out[rows]`, rows the lane's. Returns out."""
+        """`op` once per lane: of `inputs(rows)` into `out[rows]`, rows the lane's (OpCall.share
+        `share`). Returns out."""
         for rows in self.lanes:
-            self._add(op, *inputs(rows), out=out[rows], **scalars)
+            self._add(op, *inputs(rows), out=out[rows], share=share, **scalars)
         return out
 
     def _rows(self, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -495,12 +505,18 @@ class ProgramOps:
     ) -> torch.Tensor:
         """LayerNorm (the norm has a bias) or RMSNorm of each lane's `rows`, in x's dtype (the
         residual may come as fp32 partial sums), through the catalogue operator `prefix` names
-        ("add_": the fused residual add of the two rows given)."""
+        ("add_": the fused residual add of the two rows given); lanes of SHARED_NORM_ROWS rows
+        or more record it as sharing the machine."""
         kind = "rmsnorm" if norm.bias is None else "layernorm"
-        weights = self._weights(norm)
+        weights, lanes = self._weights(norm), self.lanes
+        shared = len(lanes) > 1 and lanes[0].stop - lanes[0].start >= SHARED_NORM_ROWS
         out = self._rows(x.shape[1], x.dtype)
         return self._lanes(
-            prefix + kind, lambda r: (*rows(r), *weights), out, eps=self.config.norm_eps
+            prefix + kind,
+            lambda r: (*rows(r), *weights),
+            out,
+            len(lanes) if shared else None,
+            eps=self.config.norm_eps,
         )
 
     def qkv(

@@ -15,7 +15,9 @@ from test_catalogue import DTYPES, TOLERANCE, rel_error
 from test_index_ops import randn
 
 from gpuos_core import OpCall, Runtime
+from gpuos_core.catalogue import family
 from gpuos_core.errors import TensorSpecError
+from gpuos_core.families import ADDNORM_PAIR_MAX, ADDNORM_PAIR_ROWS
 
 OPS = ("add_rmsnorm", "add_layernorm")
 # ragged lengths, rows one per warp and rows a block each, either side of 256 (the warp's limit)
@@ -134,6 +136,28 @@ def test_partial_sums_as_the_residual(rt: Runtime, op: str, dtype: torch.dtype) 
 def test_several_rows_a_record(rt: Runtime, op: str, dtype: torch.dtype) -> None:
     check_shapes(rt, op, dtype, RECORD_SHAPES)
     check_parts(rt, op, dtype, RECORD_PARTS)
+
+
+def test_rows_of_a_task_sharing_the_machine_come_several_a_record() -> None:
+    """A norm that shares the machine (OpCall.share: a lane of a decode step beside another)
+    takes rows that pairs of warps hold ADDNORM_PAIR_ROWS a record, with partial sums too, so
+    that its records hold fewer blocks while they wait; alone, a record a row (the most SMs for
+    its bytes); rows too long for a pair, and rows the elements already gather, as before."""
+
+    def cut(rows: int, width: int, parts: int = 0, share: int | None = 2) -> list[int]:
+        x, w = torch.zeros(rows, width), torch.ones(width)
+        y = torch.zeros(parts, rows, width) if parts else torch.zeros(rows, width)
+        call = OpCall("add_layernorm", (x, y, w, torch.zeros(width)), share=share)
+        with Runtime("cpu") as runtime:
+            task = runtime.prepare(call)
+        return [e - b for b, e in family("add_layernorm").ranges(task, 16384)]
+
+    assert cut(32, 768, 4) == [ADDNORM_PAIR_ROWS] * (32 // ADDNORM_PAIR_ROWS)
+    assert cut(32, 768, 4, share=None) == [1] * 32
+    assert cut(10, ADDNORM_PAIR_MAX) == [4, 4, 2]
+    assert cut(1, 768, 4) == [1]
+    assert cut(64, 2048, 4) == [1] * 64  # the block a row
+    assert cut(2048, 768) == [16] * 128  # by elements: more than a pair's rows already
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -188,6 +188,30 @@ def test_a_small_vocabularys_head_runs_in_cuts_of_lane_rows() -> None:
     assert head_cuts(2 * LANE_ROWS - 1, 256, 132) == (slice(0, 2 * LANE_ROWS - 1),)
 
 
+def test_norms_of_lanes_of_32_rows_share_the_machine(model_dir: Path, runtime: Runtime) -> None:
+    """A 64-row decode step (two lanes of 32 rows) records its residual norms as sharing the
+    machine, so that they hold fewer blocks (AddNormFamily.cut); a step of lanes of 16 rows,
+    or of one lane, records them with the machine their own."""
+    model = device_model(model_dir, runtime)
+    pool = KVPool.allocate(model.config, 64, 32, model.dtype, runtime.device)
+
+    def shares(rows: int) -> set[int | None]:
+        layout = Layout(rows, 0)
+        chain = StepChain(layout.picks, 1, runtime.device)
+        tables = rotary_tables(model, 32)
+        step = StepProgram(
+            runtime, model, pool, layout, tables, chain, 0, Arena(runtime.device), frozenset()
+        )
+        tasks = step.program.tasks
+        norms = [tasks.op_names.index(op) for op in tasks.op_names if op.startswith("add_")]
+        return {t.share for t, op in zip(tasks.tasks, tasks.op_of_task) if op in norms}
+
+    assert lanes_of(Layout(64, 0), model, sm_count(runtime.device)) == (slice(0, 32), slice(32, 64))
+    assert shares(64) == {2}
+    assert shares(32) == {None}
+    assert shares(8) == {None}
+
+
 def test_a_prefill_steps_chunks_attend_in_one_wave_of_records(
     model_dir: Path, runtime: Runtime
 ) -> None:
